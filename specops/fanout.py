@@ -1,0 +1,99 @@
+"""Running one step on many hosts at once, with one result row per host.
+
+A step is a function ``step(session) -> dict`` (the row's columns). Each host gets its
+own thread and its own Session, so one slow or dead host never holds up the others;
+every remote call inside a step carries a timeout, so every thread ends. A host that
+fails gets a row with its error; the others' rows are still shown, and the caller
+exits non-zero::
+
+    $ inv hosts --on gpu
+    host   status  os            python   gpus
+    gpu1   ok      Ubuntu 22.04  3.11.9   8x H200 141GB
+    gpu2   FAILED  gpu2: unreachable: connecting to 10.0.0.6 timed out after 10s
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import SpecopsError
+from .host import connect
+from .inventory import Host
+
+
+@dataclass
+class Outcome:
+    host: Host
+    row: dict = field(default_factory=dict)
+    error: str | None = None
+    exit_code: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def each(hosts: list[Host], step: Callable[..., dict], *args, **kwargs) -> list[Outcome]:
+    """Run ``step(session, *args, **kwargs)`` on every host in parallel; outcomes in host order.
+
+    A step may take ``index=``/``count=`` (the host's place in the selection, for sharding)
+    by accepting them as keyword arguments; they are passed when it declares them.
+    """
+    wants_shard = "index" in inspect.signature(step).parameters
+
+    def one(i: int, host: Host) -> Outcome:
+        extra = {"index": i, "count": len(hosts)} if wants_shard else {}
+        try:
+            with connect(host) as session:
+                return Outcome(host, step(session, *args, **kwargs, **extra) or {})
+        except SpecopsError as e:
+            return Outcome(host, error=str(e), exit_code=e.exit_code)
+        except Exception as e:  # an unexpected bug on one host must not hide the others' results
+            return Outcome(host, error=f"{host.name}: internal error: {type(e).__name__}: {e}", exit_code=1)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        return list(pool.map(one, range(len(hosts)), hosts))
+
+
+def report(outcomes: list[Outcome], *, as_json: bool = False, out=None) -> int:
+    """Print one row per host (or JSON) and return the exit code: 0 only if all succeeded."""
+    out = out or sys.stdout
+    if as_json:
+        doc = [{"host": o.host.name, "ok": o.ok, **({"error": o.error} if o.error else {}), **o.row}
+               for o in outcomes]
+        print(json.dumps(doc, indent=2, default=str), file=out)
+    else:
+        print_table([{"host": o.host.name, "status": "ok" if o.ok else "FAILED", **o.row}
+                     if o.ok else {"host": o.host.name, "status": "FAILED", "error": o.error}
+                     for o in outcomes], out=out)
+    failed = [o for o in outcomes if not o.ok]
+    return max((o.exit_code for o in failed), default=0)
+
+
+def print_table(rows: list[dict], out=None) -> None:
+    out = out or sys.stdout
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    cells = [[_cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip(), file=out)
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip(), file=out)
+    out.flush()
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+

@@ -1,0 +1,294 @@
+"""The one module that talks to hosts.
+
+Everything else in specops asks a :class:`Session` to run a command, move a file or
+build an rsync/ssh command line; nothing else knows SSH options. A Session hides
+whether the host is remote (Fabric/paramiko over SSH) or the machine we are on
+(``ansible_connection: local``, Invoke's local runner) behind one interface.
+
+Safety rules enforced here, so callers cannot forget them:
+
+* host keys are verified against known_hosts (system files + the inventory's
+  ``known_hosts``) with paramiko's RejectPolicy: an unknown or changed key is refused
+  with a message that says how to add it;
+* every command has a timeout and the connection a connect timeout and keepalive, so a
+  host whose link is cut fails within bounded time instead of hanging;
+* :meth:`Session.run` takes an argv and quotes every argument; shell snippets go
+  through :meth:`Session.sh` and must be built with :func:`quote`;
+* nothing is ever passed through Fabric's ``env=`` (it inlines values on the command
+  line); secrets travel only as files written with :meth:`Session.write_file`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+import shutil
+import socket
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import fabric
+import invoke
+import paramiko
+
+from .errors import HostError
+from .inventory import Host
+
+CONNECT_TIMEOUT = float(os.environ.get("SPECOPS_CONNECT_TIMEOUT", 10))
+KEEPALIVE_S = 5
+COMMAND_TIMEOUT = 120
+SYSTEM_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts")
+
+
+def quote(value) -> str:
+    """Quote one shell word: a path with spaces or ``$(...)`` stays data, never code."""
+    return shlex.quote(str(value))
+
+
+def ssh_config_path() -> str | None:
+    """The ssh_config to honour (ProxyJump, IdentityFile...); SPECOPS_SSH_CONFIG=none disables it."""
+    configured = os.environ.get("SPECOPS_SSH_CONFIG", "~/.ssh/config")
+    if configured == "none":
+        return None
+    path = os.path.expanduser(configured)
+    return path if os.path.exists(path) else None
+
+
+@dataclass
+class Result:
+    stdout: str
+    stderr: str
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Session:
+    """An open line to one host. Use :func:`connect`."""
+
+    def __init__(self, host: Host):
+        self.host = host
+        self._home: str | None = None
+        self._conn: fabric.Connection | None = None
+        self._local: invoke.Context | None = None
+
+    # -- opening ---------------------------------------------------------------------
+    def open(self) -> "Session":
+        if self.host.is_local:
+            self._local = invoke.Context(invoke.Config(overrides={"run": {"in_stream": False}}))
+            return self
+        self._conn = _fabric_connection(self.host)
+        try:
+            self._conn.open()
+        except Exception as e:  # paramiko raises many types; each maps to one clear line
+            raise HostError(self._explain_connect_error(e)) from None
+        self._conn.transport.set_keepalive(KEEPALIVE_S)
+        return self
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def _explain_connect_error(self, e: Exception) -> str:
+        h = self.host
+        where = h.address if h.ansible_port == 22 else f"[{h.address}]:{h.ansible_port}"
+        files = " ".join(known_hosts_files(h))
+        add_to = h.known_hosts or "~/.ssh/known_hosts"
+        if isinstance(e, paramiko.BadHostKeyException):
+            return (
+                f"{h.name}: host key for {where} has CHANGED (man-in-the-middle, or the host was reinstalled); "
+                f"refusing to connect. If the change is expected: ssh-keygen -R '{where}' -f {add_to}, "
+                f"then add the new key after checking its fingerprint"
+            )
+        if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in str(e):
+            return (
+                f"{h.name}: host key for {where} is unknown (not in {files}); refusing to connect. "
+                f"Check the fingerprint out of band, then: ssh-keyscan -p {h.ansible_port} {h.address} >> {add_to}"
+            )
+        if isinstance(e, paramiko.AuthenticationException):
+            key = h.ansible_ssh_private_key_file or "your ssh keys/agent"
+            return f"{h.name}: authentication failed for user {self._conn.user!r} at {where} (key: {key})"
+        if isinstance(e, (socket.timeout, TimeoutError)):
+            return f"{h.name}: unreachable: connecting to {where} timed out after {CONNECT_TIMEOUT:g}s"
+        if isinstance(e, (paramiko.ssh_exception.NoValidConnectionsError, OSError)):
+            reason = getattr(e, "strerror", None) or str(e)
+            return f"{h.name}: unreachable: cannot connect to {where}: {reason}"
+        return f"{h.name}: SSH to {where} failed: {e}"
+
+    # -- running commands ------------------------------------------------------------
+    def run(self, argv, **kwargs) -> Result:
+        """Run an argv on the host; every argument is quoted."""
+        return self.sh(shlex.join(str(a) for a in argv), **kwargs)
+
+    def sh(self, script: str, *, timeout: float | None = COMMAND_TIMEOUT, check: bool = True,
+           hide: bool = True, pty: bool = False, out_stream=None) -> Result:
+        """Run a bash snippet built with :func:`quote`. ``timeout=None`` only for streams the
+        user ends (``--follow``); everything else is bounded."""
+        opts = dict(warn=True, hide=hide, pty=pty, timeout=timeout, in_stream=False)
+        if out_stream is not None:
+            opts["out_stream"] = out_stream
+        try:
+            if self._local is not None:
+                r = self._local.run(script, **opts)
+            else:
+                r = self._conn.run("bash -c " + quote(script), **opts)
+        except invoke.exceptions.CommandTimedOut:
+            raise HostError(f"{self.host.name}: command timed out after {timeout:g}s: {_short(script)}") from None
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise HostError(f"{self.host.name}: connection lost while running {_short(script)}: {e}") from None
+        result = Result(r.stdout, r.stderr, r.exited)
+        if check and not result.ok:
+            detail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
+            raise HostError(f"{self.host.name}: {_short(script)} failed (exit {result.exit_code}): {detail[0]}")
+        return result
+
+    # -- paths -----------------------------------------------------------------------
+    @property
+    def home(self) -> str:
+        if self._home is None:
+            self._home = self.sh('printf %s "$HOME"', timeout=30).stdout.strip()
+        return self._home
+
+    def path(self, value: str) -> str:
+        """An absolute host path: ``~`` is the login user's home, relative means under workdir."""
+        if value == "~" or value.startswith("~/"):
+            return self.home + value[1:]
+        if value.startswith("/"):
+            return value
+        return f"{self.workdir}/{value}"
+
+    @property
+    def workdir(self) -> str:
+        value = self.host.workdir
+        return self.home + value[1:] if value == "~" or value.startswith("~/") else value
+
+    @property
+    def venv_python(self) -> str:
+        return f"{self.workdir}/venv/bin/python"
+
+    # -- files -----------------------------------------------------------------------
+    def write_file(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
+        """Write a whole file atomically; it has ``mode`` from birth (secrets are never readable)."""
+        data = data.encode() if isinstance(data, str) else data
+        parent = os.path.dirname(path)
+        tmp = f"{parent}/.{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp"
+        if self._local is not None:
+            os.makedirs(parent, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+            return
+        self.run(["mkdir", "-p", parent], timeout=30)
+        try:
+            with self._conn.sftp().open(tmp, "wx") as f:
+                f.chmod(mode)
+                f.write(data)
+            self.run(["mv", "-f", tmp, path], timeout=30)
+        except (OSError, paramiko.SSHException) as e:
+            self.run(["rm", "-f", tmp], timeout=30, check=False)
+            raise HostError(f"{self.host.name}: cannot write {path}: {e}") from None
+
+    def read_file(self, path: str) -> bytes | None:
+        """A file's bytes, or None if it does not exist."""
+        if self._local is not None:
+            try:
+                return Path(path).read_bytes()
+            except FileNotFoundError:
+                return None
+        buf = io.BytesIO()
+        try:
+            self._conn.sftp().getfo(path, buf)
+        except FileNotFoundError:
+            return None
+        except (OSError, paramiko.SSHException) as e:
+            raise HostError(f"{self.host.name}: cannot read {path}: {e}") from None
+        return buf.getvalue()
+
+    def sftp(self) -> paramiko.SFTPClient:
+        """The SFTP channel, for the transfer fallback when rsync is missing."""
+        if self._conn is None:
+            raise HostError(f"{self.host.name}: SFTP is for remote hosts; local hosts use plain files")
+        return self._conn.sftp()
+
+    # -- rsync / ssh -----------------------------------------------------------------
+    def ssh_argv(self) -> list[str]:
+        """An OpenSSH command line with exactly this session's settings (for rsync -e, tails)."""
+        h = self.host
+        argv = ["ssh", "-F", ssh_config_path() or "/dev/null", "-p", str(h.ansible_port),
+                "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes",
+                "-o", "UserKnownHostsFile=" + " ".join(f'"{p}"' for p in known_hosts_files(h)),
+                "-o", f"ConnectTimeout={int(CONNECT_TIMEOUT)}",
+                "-o", f"ServerAliveInterval={KEEPALIVE_S}", "-o", "ServerAliveCountMax=3"]
+        if h.ansible_ssh_private_key_file:
+            argv += ["-i", h.ansible_ssh_private_key_file, "-o", "IdentitiesOnly=yes"]
+        if h.ansible_user:
+            argv += ["-l", h.ansible_user]
+        return argv
+
+    def rsync_location(self, path: str) -> tuple[list[str], str]:
+        """(extra rsync args, destination spec) for a path on this host."""
+        if self._local is not None:
+            return [], path
+        user = self._conn.user
+        return ["-e", shlex.join(self.ssh_argv())], f"{user}@{self.host.address}:{path}"
+
+    @contextmanager
+    def tunnel(self, local_port: int, remote_port: int):
+        """Forward 127.0.0.1:local_port here to 127.0.0.1:remote_port on the host."""
+        if self._local is not None:
+            raise HostError(f"{self.host.name}: is this machine; no tunnel needed (port {remote_port})")
+        with self._conn.forward_local(local_port, remote_port=remote_port, remote_host="127.0.0.1"):
+            yield
+
+
+def known_hosts_files(host: Host) -> list[str]:
+    files = [os.path.expanduser(p) for p in SYSTEM_KNOWN_HOSTS if os.path.exists(os.path.expanduser(p))]
+    if host.known_hosts:
+        files.append(host.known_hosts)
+    return files or ["~/.ssh/known_hosts"]
+
+
+def _fabric_connection(host: Host) -> fabric.Connection:
+    overrides = {"run": {"in_stream": False}}
+    path = ssh_config_path()
+    config = (fabric.Config(runtime_ssh_path=path, overrides=overrides) if path
+              else fabric.Config(ssh_config=paramiko.SSHConfig(), overrides=overrides))
+    connect_kwargs = {}
+    if host.ansible_ssh_private_key_file:
+        connect_kwargs.update(key_filename=host.ansible_ssh_private_key_file, look_for_keys=False)
+    conn = fabric.Connection(
+        host.address, user=host.ansible_user, port=host.ansible_port, config=config,
+        connect_timeout=CONNECT_TIMEOUT, connect_kwargs=connect_kwargs,
+    )
+    # Fabric installs AutoAddPolicy and never reads known_hosts: undo both.
+    for path in known_hosts_files(host):
+        if os.path.exists(path):
+            conn.client.load_host_keys(path)
+    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    return conn
+
+
+@contextmanager
+def connect(host: Host):
+    """Open a Session to ``host``; HostError (one clear line) if it cannot be reached."""
+    session = Session(host).open()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def local_rsync_available() -> bool:
+    return shutil.which("rsync") is not None
+
+
+def _short(script: str, limit: int = 80) -> str:
+    line = " ".join(script.split())
+    return f"`{line[:limit]}…`" if len(line) > limit else f"`{line}`"
