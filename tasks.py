@@ -1,6 +1,10 @@
 """specops tasks: flags in, one call to specops, a clear result out.  `inv --list`."""
 
-from specops import facts, fanout
+import specops.deploy
+import specops.deps
+import specops.service
+import specops.tunnel
+from specops import artifacts, facts, fanout, runs, watch
 from specops.cli import HOST_HELP, select_hosts, task
 
 
@@ -8,3 +12,73 @@ from specops.cli import HOST_HELP, select_hosts, task
 def hosts(c, on=None, inventory=None, json=False):
     """Check each host: reachable, OS, Python, free disk, GPUs, systemd, tmux, rsync."""
     return fanout.report(fanout.each(select_hosts(c, inventory, on), facts.probe), as_json=json)
+
+
+@task(help={**HOST_HELP, "dry_run": "list what would change, change nothing",
+            "delete": "remove stale files inside <workdir>/code (never runs/ or data/)",
+            "deps": "check the host's venv afterwards (--no-deps to skip)"})
+def deploy(c, on=None, inventory=None, dry_run=False, delete=True, deps=True):
+    """Sync remote/, templates/, requirements/, examples/ to <workdir>/code (rsync; SFTP fallback)."""
+    return specops.deploy.run(select_hosts(c, inventory, on), dry_run=dry_run, delete=delete, check_deps=deps)
+
+
+@task(help={**HOST_HELP, "fix": "install what is missing or mismatched, then re-check"})
+def deps(c, on=None, inventory=None, fix=False):
+    """Check each host's venv (<workdir>/venv) against requirements/: packages, pip check, imports, GPUs."""
+    return specops.deps.run(select_hosts(c, inventory, on), fix=fix)
+
+
+RUN_HELP = "run id (as printed at launch; `inv status` lists them)"
+# Invoke has no optional positional arguments: RUN is positional where it is required (logs, stop)
+# and --run where it is optional (status, pull). `--run RUN` works for all four.
+
+
+@task(help={**HOST_HELP, "run": RUN_HELP + "; default: the newest runs and all live ones",
+            "last": "how many of the newest runs to list per host", "json": "print JSON instead of tables"})
+def status(c, run=None, on=None, inventory=None, last=10, json=False):
+    """Per host: vLLM service, GPU use, and each run's state, age and latest progress line."""
+    return watch.status(select_hosts(c, inventory, on), run, last=last, as_json=json)
+
+
+@task(help={**HOST_HELP, "run": RUN_HELP, "lines": "how many last lines to show first",
+            "follow": "keep printing until the run ends (Ctrl-C stops following, never the run)"})
+def logs(c, run, on=None, inventory=None, follow=False, lines=50):
+    """A run's log from every selected host that has it (lines prefixed by host when several)."""
+    return watch.logs(select_hosts(c, inventory, on), run, lines=lines, follow=follow)
+
+
+@task(help={**HOST_HELP, "run": RUN_HELP, "grace": "seconds after SIGINT before SIGTERM (and after SIGTERM)"})
+def stop(c, run, on=None, inventory=None, grace=30.0):
+    """Stop a run: SIGINT to its process group, SIGTERM after a grace period; exit code recorded, outputs kept."""
+    return runs.stop_on(select_hosts(c, inventory, on), run, grace=grace)
+
+
+@task(help={**HOST_HELP, "run": RUN_HELP + "; default: the newest run",
+            "dest": "local directory for artifacts/<run-id>/<host>/"})
+def pull(c, run=None, on=None, inventory=None, dest="artifacts"):
+    """Copy a run home from each host (rsync, resumable; SFTP fallback), verify its manifest, merge shards."""
+    return artifacts.pull(select_hosts(c, inventory, on), run, dest=dest)
+
+
+@task(help={**HOST_HELP, "wait": "wait until /v1/models lists the model, showing the startup's progress",
+            "timeout": "seconds --wait waits before giving up (exit 124); vLLM keeps starting",
+            "restart": "restart even if the unit and env file are unchanged",
+            "supervisor": "systemd or tmux (default: inventory `supervisor`, else the last used, else detect)",
+            "stop": "stop the service (systemd: also disable it)",
+            "status": "state, pid, uptime, model, /health, requests running",
+            "logs": "print the service log (journalctl or the tmux log)",
+            "follow": "with --logs: keep printing until Ctrl-C (which never stops the service)",
+            "lines": "with --logs: how many last lines", "json": "print JSON instead of a table"})
+def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, supervisor=None, stop=False,
+          status=False, logs=False, follow=False, lines=100, json=False):
+    """Run vLLM as a supervised service (systemd, or tmux where there is none); idempotent."""
+    return specops.service.run(select_hosts(c, inventory, on), wait=wait, timeout=timeout, restart=restart,
+                               supervisor=supervisor, stop_service=stop, show_status=status, show_logs=logs,
+                               follow=follow, lines=lines, as_json=json)
+
+
+@task(help={"on": "the host whose vLLM to reach", "inventory": HOST_HELP["inventory"],
+            "local_port": "local port to listen on (default: the host's vLLM port)"})
+def tunnel(c, on=None, inventory=None, local_port=0):
+    """Forward a local port to a host's 127.0.0.1 vLLM port over SSH and print the base URL; Ctrl-C closes."""
+    return specops.tunnel.forward(select_hosts(c, inventory, on), local_port=local_port or None)

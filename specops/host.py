@@ -25,6 +25,7 @@ import os
 import shlex
 import shutil
 import socket
+import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from .inventory import Host
 CONNECT_TIMEOUT = float(os.environ.get("SPECOPS_CONNECT_TIMEOUT", 10))
 KEEPALIVE_S = 5
 COMMAND_TIMEOUT = 120
+WATCHDOG_GRACE_S = 2
+SFTP_TIMEOUT = 60
 SYSTEM_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "~/.ssh/known_hosts")
 
 
@@ -76,6 +79,7 @@ class Session:
         self._home: str | None = None
         self._conn: fabric.Connection | None = None
         self._local: invoke.Context | None = None
+        self._timed_out = False
 
     # -- opening ---------------------------------------------------------------------
     def open(self) -> "Session":
@@ -136,16 +140,39 @@ class Session:
             if self._local is not None:
                 r = self._local.run(script, **opts)
             else:
-                r = self._conn.run("bash -c " + quote(script), **opts)
+                with self._watchdog(timeout):
+                    r = self._conn.run("bash -c " + quote(script), **opts)
         except invoke.exceptions.CommandTimedOut:
             raise HostError(f"{self.host.name}: command timed out after {timeout:g}s: {_short(script)}") from None
         except (paramiko.SSHException, EOFError, OSError) as e:
+            if self._timed_out:
+                raise HostError(f"{self.host.name}: no answer within {timeout:g}s (link down?) while running "
+                                f"{_short(script)}") from None
             raise HostError(f"{self.host.name}: connection lost while running {_short(script)}: {e}") from None
         result = Result(r.stdout, r.stderr, r.exited)
         if check and not result.ok:
             detail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
             raise HostError(f"{self.host.name}: {_short(script)} failed (exit {result.exit_code}): {detail[0]}")
         return result
+
+    @contextmanager
+    def _watchdog(self, timeout: float | None):
+        """Close the transport if a call outlives its timeout: on a cut link paramiko waits forever
+        (opening a channel, reading a reply) and Invoke's own timer cannot interrupt that."""
+        if timeout is None:
+            yield
+            return
+        timer = threading.Timer(timeout + WATCHDOG_GRACE_S, self._expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _expire(self) -> None:
+        self._timed_out = True
+        self._conn.transport.close()
 
     # -- paths -----------------------------------------------------------------------
     @property
@@ -187,7 +214,7 @@ class Session:
             return
         self.run(["mkdir", "-p", parent], timeout=30)
         try:
-            with self._conn.sftp().open(tmp, "wx") as f:
+            with self._watchdog(SFTP_TIMEOUT), self._conn.sftp().open(tmp, "wx") as f:
                 f.chmod(mode)
                 f.write(data)
             self.run(["mv", "-f", tmp, path], timeout=30)
@@ -204,7 +231,8 @@ class Session:
                 return None
         buf = io.BytesIO()
         try:
-            self._conn.sftp().getfo(path, buf)
+            with self._watchdog(SFTP_TIMEOUT):
+                self._conn.sftp().getfo(path, buf)
         except FileNotFoundError:
             return None
         except (OSError, paramiko.SSHException) as e:
@@ -215,7 +243,9 @@ class Session:
         """The SFTP channel, for the transfer fallback when rsync is missing."""
         if self._conn is None:
             raise HostError(f"{self.host.name}: SFTP is for remote hosts; local hosts use plain files")
-        return self._conn.sftp()
+        sftp = self._conn.sftp()
+        sftp.get_channel().settimeout(SFTP_TIMEOUT)  # a cut link fails the next call instead of hanging
+        return sftp
 
     # -- rsync / ssh -----------------------------------------------------------------
     def ssh_argv(self) -> list[str]:

