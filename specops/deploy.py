@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,34 +47,45 @@ class SyncResult:
 
 
 def deploy(session: Session, *, root: Path = PROJECT_ROOT, delete: bool = True, dry_run: bool = False) -> SyncResult:
-    """Sync the deployable tree to ``<workdir>/code``; returns what changed."""
+    """Sync the deployable tree to ``<workdir>/code``; returns what changed.
+
+    The rsync path is one rsync process and nothing else (it creates the directory and
+    carries VERSION), so a no-op deploy costs about what a raw no-op rsync costs.
+    """
     start = time.monotonic()
     dest = f"{session.workdir}/code"
-    if not dry_run:
-        session.run(["mkdir", "-p", dest], timeout=30)
-    have_rsync = session.sh("command -v rsync", check=False, timeout=30).ok
-    if have_rsync and local_rsync_available():
-        result = _rsync(session, root, dest, delete=delete, dry_run=dry_run)
-    else:
-        result = _sftp(session, root, dest, delete=delete, dry_run=dry_run)
-    if not dry_run:
-        _write_version(session, root, dest)
+    with tempfile.TemporaryDirectory(prefix="specops-version-") as tmp:
+        version = _version_file(root, Path(tmp))
+        result = None
+        if local_rsync_available():
+            try:
+                result = _rsync(session, root, version, dest, delete=delete, dry_run=dry_run)
+            except _NoRemoteRsync:
+                pass
+        if result is None:
+            result = _sftp(session, root, version, dest, delete=delete, dry_run=dry_run)
     result.seconds = time.monotonic() - start
     return result
 
 
-def _rsync(session: Session, root: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
+class _NoRemoteRsync(Exception):
+    pass
+
+
+def _rsync(session: Session, root: Path, version: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
     extra, target = session.rsync_location(dest + "/")
-    argv = ["rsync", "-rlpt", "--compress", "--itemize-changes", "--stats", f"--timeout={RSYNC_IO_TIMEOUT}",
-            "--filter=P /VERSION", *[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore",
+    argv = ["rsync", "-rlpt", "--mkpath", "--compress", "--itemize-changes", "--stats", f"--timeout={RSYNC_IO_TIMEOUT}",
+            *[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore", "--include=/VERSION",
             *[f"--include=/{d}/***" for d in DEPLOY_SET], "--exclude=*", *extra]
     if delete:
         argv += ["--delete", "--delete-excluded"]
     if dry_run:
         argv.append("--dry-run")
-    argv += [f"{root}/", target]
+    argv += [f"{root}/", str(version), target]
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
+        if proc.returncode == 127 or "rsync: command not found" in proc.stderr or "rsync: not found" in proc.stderr:
+            raise _NoRemoteRsync()
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise HostError(f"{session.host.name}: rsync failed (exit {proc.returncode}): {last} — "
                         f"nothing is lost; rerun `inv deploy` to converge")
@@ -81,6 +93,18 @@ def _rsync(session: Session, root: Path, dest: str, *, delete: bool, dry_run: bo
                and not line.startswith(".f ")]
     sent = re.search(r"Total bytes sent: ([\d,.]+)", proc.stdout)
     return SyncResult(len(changes), int(re.sub(r"[,.]", "", sent.group(1))) if sent else 0, 0.0, "rsync", changes)
+
+
+def _version_file(root: Path, tmp: Path) -> Path:
+    """code/VERSION: the deployed git commit; its mtime is the commit's, so an unchanged
+    version is never re-sent."""
+    git = ["git", "-C", str(root)]
+    described = subprocess.run(git + ["describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True)
+    stamp = subprocess.run(git + ["log", "-1", "--format=%ct"], capture_output=True, text=True).stdout.strip()
+    path = tmp / "VERSION"
+    path.write_text((described.stdout.strip() or "unknown") + "\n")
+    os.utime(path, (int(stamp or 0), int(stamp or 0)))
+    return path
 
 
 def deployable_files(root: Path) -> dict[str, Path]:
@@ -105,9 +129,9 @@ def _never(name: str) -> bool:
     return False
 
 
-def _sftp(session: Session, root: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
+def _sftp(session: Session, root: Path, version: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
     """The fallback: compare size+mtime with one remote `find`, upload the differences."""
-    local = deployable_files(root)
+    local = {**deployable_files(root), "VERSION": version}
     listing = session.sh(f"cd {quote(dest)} 2>/dev/null && find . -type f -printf '%P\\t%s\\t%T@\\n' || true",
                          timeout=60).stdout
     remote = {}
@@ -115,14 +139,14 @@ def _sftp(session: Session, root: Path, dest: str, *, delete: bool, dry_run: boo
         name, size, mtime = line.split("\t")
         remote[name] = (int(size), int(float(mtime)))
     send = [n for n, p in local.items() if remote.get(n) != (p.stat().st_size, int(p.stat().st_mtime))]
-    stale = [n for n in remote if n not in local and n != "VERSION"] if delete else []
+    stale = [n for n in remote if n not in local] if delete else []
     changes = [f">f {n}" for n in send] + [f"*deleting {n}" for n in stale]
     sent = sum(local[n].stat().st_size for n in send)
     if not dry_run:
         sftp = session.sftp()
+        session.run(["mkdir", "-p", dest, *sorted({os.path.dirname(f"{dest}/{n}") for n in send})], timeout=60)
         for n in send:
             target = f"{dest}/{n}"
-            session.run(["mkdir", "-p", os.path.dirname(target)], timeout=30)
             try:
                 sftp.put(str(local[n]), target)
                 st = local[n].stat()
@@ -134,14 +158,6 @@ def _sftp(session: Session, root: Path, dest: str, *, delete: bool, dry_run: boo
         if stale:
             session.run(["rm", "-f", "--", *[f"{dest}/{n}" for n in stale]], timeout=60)
     return SyncResult(len(changes), sent, 0.0, "sftp (rsync missing)", changes)
-
-
-def _write_version(session: Session, root: Path, dest: str) -> None:
-    described = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
-                               capture_output=True, text=True)
-    version = (described.stdout.strip() or "unknown") + "\n"
-    if session.read_file(f"{dest}/VERSION") != version.encode():
-        session.write_file(f"{dest}/VERSION", version)
 
 
 def run(hosts, *, dry_run: bool = False, delete: bool = True, check_deps: bool = True) -> int:

@@ -56,7 +56,7 @@ def test_deploy_delta_dry_run_and_delete(tmp_path, loopback, project, user):
     (project / "remote" / "__pycache__" / "x.pyc").write_bytes(b"cache")
     with connect(h) as s:
         first = deploy.deploy(s, root=project)
-        assert first.method == "rsync" and first.files_changed == len(deploy.deployable_files(project))
+        assert first.method == "rsync" and first.files_changed == len(deploy.deployable_files(project)) + 1  # + VERSION
         assert not (code / "remote" / "debug.log").exists() and not (code / "remote" / "__pycache__").exists()
         assert (code / "VERSION").is_file()
         assert deploy.deploy(s, root=project).files_changed == 0
@@ -105,7 +105,7 @@ def test_sftp_fallback_when_host_has_no_rsync(tmp_path, netns_trio, project):
         with connect(h) as s:
             assert not s.sh("command -v rsync", check=False).ok
             first = deploy.deploy(s, root=project)
-            assert first.method.startswith("sftp") and first.files_changed == len(deploy.deployable_files(project))
+            assert first.method.startswith("sftp") and first.files_changed == len(deploy.deployable_files(project)) + 1  # + VERSION
             assert deploy.deploy(s, root=project).files_changed == 0
             (project / "remote" / "check_deps.py").write_text("# replaced\n")
             s.write_file(f"{s.workdir}/code/stale.txt", "old")
