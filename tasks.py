@@ -4,8 +4,8 @@ import specops.deploy
 import specops.deps
 import specops.service
 import specops.tunnel
-from specops import artifacts, facts, fanout, runs, watch
-from specops.cli import HOST_HELP, select_hosts, task
+from specops import artifacts, demo as demo_mod, facts, fanout, jobs, runs, watch
+from specops.cli import HOST_HELP, remainder, select_hosts, task
 
 
 @task(help={**HOST_HELP, "json": "print JSON instead of a table"})
@@ -82,3 +82,59 @@ def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, s
 def tunnel(c, on=None, inventory=None, local_port=0):
     """Forward a local port to a host's 127.0.0.1 vLLM port over SSH and print the base URL; Ctrl-C closes."""
     return specops.tunnel.forward(select_hosts(c, inventory, on), local_port=local_port or None)
+
+
+RUN_NAME_HELP = {"name": "run id to use (default: <kind>-<UTC yyyymmdd-hhmmss>)",
+                 "resume": "continue the finished run --name (the script skips what is done)",
+                 "follow": "stream the run's log until it ends (Ctrl-C stops following, never the run)"}
+
+
+@task(help={**HOST_HELP, **RUN_NAME_HELP, "n": "rows to take from the dataset (before sharding)",
+            "dataset": "hub name, host path, or a shipped file like examples/prompts.jsonl "
+                       "(default: mlabonne/open-perfectblend)"})
+def generate(c, n=None, on=None, inventory=None, dataset=None, name=None, resume=False, follow=False):
+    """Record the served model's own reasoning + answers for dataset prompts (a detached, sharded run).
+
+    Extra flags for remote/generate.py go after `--`, e.g. `inv generate --n 100 -- --max-tokens 2048`.
+    """
+    hosts = select_hosts(c, inventory, on)
+    return jobs.generate(hosts, n=int(n) if n else None, dataset=dataset, name=name, resume=resume,
+                         follow=follow, extra=remainder(), on=on)[1]
+
+
+@task(iterable=["data"],
+      help={**HOST_HELP, **RUN_NAME_HELP, "data": "generate run id (or data.jsonl path on the host); repeatable",
+            "steps": "optimizer steps", "epochs": "passes over the data (default 1)",
+            "gpus": "processes per host for torchrun (multi-GPU / multi-node)"})
+def train(c, data=None, on=None, inventory=None, steps=None, epochs=None, gpus=0, name=None, resume=False,
+          follow=False):
+    """Train an EAGLE-3 draft for the host's model (a detached run; exports <run>/draft for vLLM).
+
+    Extra flags for remote/train.py go after `--`, e.g. `-- --draft-vocab 32000 --lr 1e-4`.
+    """
+    hosts = select_hosts(c, inventory, on)
+    return jobs.train(hosts, data=data, steps=steps, epochs=epochs, gpus=int(gpus), name=name, resume=resume,
+                      follow=follow, extra=remainder(), on=on)[1]
+
+
+@task(name="eval", help={**HOST_HELP, "draft": "train run id (or a draft directory on the host)",
+                         "prompts": "held-out prompts file (default: the shipped examples/prompts.jsonl)",
+                         "n": "prompts to send", "k": "num_speculative_tokens", "name": RUN_NAME_HELP["name"],
+                         "dest": "local directory for the pulled report"})
+def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n=100, k=3, name=None,
+          dest="artifacts"):
+    """Measure the draft's acceptance length in real vLLM on the host's own model; pull the report."""
+    hosts = select_hosts(c, inventory, on)
+    return jobs.evaluate(hosts, draft=draft, prompts=prompts, n=int(n), k=int(k), name=name, dest=dest,
+                         extra=remainder(), on=on)[1]
+
+
+@task(help={"on": "the local host to run on (default: the `local` group)", "inventory": HOST_HELP["inventory"],
+            "rows": "prompts to generate answers for", "train_steps": "draft training steps",
+            "eval_n": "prompts for the acceptance-length measurement",
+            "fresh": "redo generate/train/eval even if finished runs exist", "dest": "where pulled artifacts go"})
+def demo(c, on=None, inventory=None, rows=200, train_steps=300, eval_n=30, fresh=False, dest="artifacts"):
+    """The whole pipeline on this machine, CPU only: deps, tiny model, serve, generate, train, eval, pull."""
+    (host,) = select_hosts(c, inventory, on)[:1]
+    return demo_mod.run(host, rows=int(rows), train_steps=int(train_steps), eval_n=int(eval_n), fresh=fresh,
+                        dest=dest)

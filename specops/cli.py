@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import invoke
 
@@ -38,3 +39,11 @@ HOST_HELP = {
     "on": "host or group to act on (default: invoke.yaml specops.on, else 'local')",
     "inventory": "inventory file (default: $SPECOPS_INVENTORY or inventory.yaml)",
 }
+
+
+def remainder() -> list[str]:
+    """Arguments after ``--`` on the command line, token for token (passed on to a remote script).
+
+    Invoke keeps only a space-joined string of them, which loses quoting; argv does not.
+    """
+    return sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []

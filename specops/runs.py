@@ -42,7 +42,6 @@ from .inventory import Host
 from .servicefiles import TMUX_SESSION as SERVICE_SESSION, Layout
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")  # tmux forbids '.' and ':' in session names
-STATES = ("running", "succeeded", "failed", "lost")
 
 # Shell helper shared by every remote snippet that asks tmux about a run: the pid of the live
 # pane of session $1 (the wrapper, leader of the run's process group), or nothing. A pane that

@@ -1,0 +1,104 @@
+"""A run directory's manifest: every file's size and sha256, and the line count of JSONL files.
+
+    python manifest.py RUN_DIR           write RUN_DIR/manifest.json (remote/run.sh does, when the command ends)
+    python manifest.py --verify DIR      check a copy against DIR/manifest.json (`inv pull` does, locally)
+
+The manifest is what makes a pulled copy trustworthy: --verify names every file that is missing,
+has the wrong size or the wrong hash, prints one line per problem and exits 1. Files that are not
+in the manifest (written after it, or left by an earlier pull) are not checked.
+
+Self-contained (stdlib only): it runs on the GPU host and on the laptop alike.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+NAME = "manifest.json"
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+
+
+def files_under(root: str):
+    """Relative paths of the regular files under root, sorted; the manifest itself and temp files excluded."""
+    for parent, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(parent, name)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if rel == NAME or name.startswith(".") or os.path.islink(path) or not os.path.isfile(path):
+                continue
+            yield rel
+
+
+def describe(root: str, rel: str) -> dict:
+    path = os.path.join(root, rel)
+    entry = {"path": rel, "size": os.path.getsize(path), "sha256": sha256(path)}
+    if rel.endswith(".jsonl"):
+        entry["lines"] = count_lines(path)
+    return entry
+
+
+def write(root: str) -> None:
+    doc = {"files": [describe(root, rel) for rel in files_under(root)]}
+    tmp = os.path.join(root, "." + NAME + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, os.path.join(root, NAME))
+
+
+def verify(root: str) -> list[str]:
+    """One line per problem; empty when the copy matches its manifest."""
+    try:
+        with open(os.path.join(root, NAME)) as f:
+            entries = json.load(f)["files"]
+    except FileNotFoundError:
+        return [f"{NAME}: missing (the run did not finish writing it)"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{NAME}: unreadable: {e}"]
+    problems = []
+    for entry in entries:
+        rel = entry["path"]
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path):
+            problems.append(f"{rel}: missing")
+        elif os.path.getsize(path) != entry["size"]:
+            problems.append(f"{rel}: size {os.path.getsize(path)}, expected {entry['size']}")
+        elif sha256(path) != entry["sha256"]:
+            problems.append(f"{rel}: sha256 mismatch (content differs from the run's manifest)")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir")
+    ap.add_argument("--verify", action="store_true", help="check DIR against its manifest instead of writing one")
+    args = ap.parse_args()
+    if not os.path.isdir(args.dir):
+        print(f"manifest: {args.dir}: not a directory", file=sys.stderr)
+        return 2
+    if not args.verify:
+        write(args.dir)
+        return 0
+    problems = verify(args.dir)
+    for line in problems:
+        print(line)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The wrapper of one specops run, started inside its tmux session by specops/runs.py:
+#
+#   run.sh RUN_DIR PYTHON [ENV_FILE]
+#
+# Runs RUN_DIR/cmd with stdin from /dev/null and stdout+stderr appended to RUN_DIR/log, with the
+# host's env file exported (so secrets never appear on a command line), then records
+# RUN_DIR/exit_code however the command ended and writes RUN_DIR/manifest.json.
+#
+# SIGINT/SIGTERM (`inv stop`) reach the whole process group; this shell traps them, so the command
+# gets them with their default meaning while the wrapper lives on to record the exit code (130/143
+# when the command dies of them). SIGHUP is not trapped: a killed tmux session or a rebooted host
+# leaves no exit code, which `inv status` reports as "lost".
+#
+# The body is one function so bash has parsed all of it before running any: redeploying this file
+# while a run is in progress cannot change what the running wrapper does.
+
+main() {
+  local dir=$1 python=$2 env_file=${3:-}
+  local here
+  here=$(cd "$(dirname "$0")" && pwd)
+  cd "$dir" || exit 1
+  trap : INT TERM
+  if [ -n "$env_file" ] && [ -r "$env_file" ]; then
+    set -a
+    . "$env_file"
+    set +a
+  fi
+  export PYTHONUNBUFFERED=1
+  bash ./cmd </dev/null >>log 2>&1
+  local code=$?
+  printf '%s\n' "$code" >.exit_code.tmp && mv -f .exit_code.tmp exit_code
+  "$python" "$here/manifest.py" "$dir" </dev/null >>log 2>&1
+  exit "$code"
+}
+
+main "$@"

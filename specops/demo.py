@@ -1,0 +1,154 @@
+"""`inv demo`: the whole pipeline on this machine (the inventory's `local` host), no GPU, no hub.
+
+Every stage calls the same functions the tasks call for a GPU host — deploy/deps, serve,
+generate, train, eval, pull — so the demo exercises the real code paths, not a toy one.
+The only demo-specific step is building the tiny reasoning model the local host serves
+(``remote/make_tiny_model.py``). Runs get fixed names (``demo-generate``, ``demo-train``,
+``demo-eval``), so a second `inv demo` reuses the model, the data and the draft and finishes
+faster; ``--fresh`` starts those runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import artifacts, deploy, fanout, jobs, runs, service
+from .errors import SpecopsError
+from .host import Session, connect
+from .inventory import Host
+
+TINY_MODEL_BUILD_TIMEOUT = 1800
+
+
+class Stages:
+    """Times each stage and keeps its key figure for the summary table."""
+
+    def __init__(self, out):
+        self.out, self.rows = out, []
+
+    def run(self, name: str, body):
+        print(f"\n=== {name} ===", file=self.out, flush=True)
+        start = time.monotonic()
+        figure = body()
+        self.rows.append({"stage": name, "seconds": round(time.monotonic() - start, 1), "result": figure})
+        return figure
+
+
+def run(host: Host, *, rows: int = 200, train_steps: int = 300, eval_n: int = 30, fresh: bool = False,
+        dest: str = "artifacts", out=None) -> int:
+    out = out or sys.stdout
+    if not host.is_local:
+        raise SpecopsError(f"{host.name}: `inv demo` runs on this machine: pick a host with ansible_connection: "
+                           f"local (the shipped inventory's `local` group)", exit_code=2)
+    stages = Stages(out)
+    hosts = [host]
+
+    def check(code: int, what: str) -> None:
+        if code:
+            raise SpecopsError(f"demo stopped at {what} (exit {code}); fix the error above and rerun `inv demo` "
+                               f"(finished stages are reused)", exit_code=code)
+
+    def check_ok(code: int, what: str) -> str:
+        check(code, what)
+        return "ok"
+
+    stages.run("deploy + deps", lambda: check_ok(deploy.run(hosts), "deploy + deps"))
+    with connect(host) as session:
+        stages.run("tiny model", lambda: _tiny_model(session, out))
+    stages.run("serve --wait", lambda: check_ok(service.run(hosts, wait=True, timeout=900), "serve"))
+    try:
+        stages.run("generate", lambda: _generate(hosts, rows, fresh, check, out))
+        stages.run("train", lambda: _train(hosts, train_steps, fresh, check, out))
+        stages.run("eval", lambda: _eval(hosts, eval_n, fresh, dest, check, out))
+        stages.run("pull", lambda: _pull(hosts, dest, check, out))
+    finally:
+        stages.run("stop service", lambda: check_ok(service.run(hosts, stop_service=True), "stop"))
+    print("\n=== summary ===", file=out)
+    fanout.print_table(stages.rows, out=out)
+    print(f"total {sum(r['seconds'] for r in stages.rows):.0f} s; artifacts in {Path(dest).resolve()}/"
+          f"(demo-generate, demo-train, demo-eval)", file=out, flush=True)
+    return 0
+
+
+def _tiny_model(session: Session, out) -> str:
+    model = jobs.model_path(session)
+    if session.run(["test", "-f", f"{model}/config.json"], check=False, timeout=30).ok:
+        return f"reused {model}"
+    print(f"building the tiny reasoning model into {model} (about 2 minutes on 2 cores)", file=out, flush=True)
+    session.run(jobs.script(session, "make_tiny_model.py") + [model], timeout=TINY_MODEL_BUILD_TIMEOUT,
+                hide=False)
+    return f"built {model}"
+
+
+def _finished(hosts, run_id: str) -> bool:
+    """True when this run already succeeded on the host (so the demo reuses it)."""
+    def probe(session: Session) -> dict:
+        code = session.read_file(f"{runs.run_dir(session, run_id)}/exit_code")
+        return {"done": code is not None and code.strip() == b"0"}
+
+    outcomes = fanout.each(hosts, probe)
+    return all(o.ok and o.row["done"] for o in outcomes)
+
+
+def _fresh_or_reuse(hosts, run_id: str, fresh: bool, out) -> bool:
+    """Whether to start the run; with --fresh an old run directory is removed first."""
+    if not fresh and _finished(hosts, run_id):
+        print(f"reusing the finished run {run_id} (--fresh to redo it)", file=out, flush=True)
+        return False
+
+    def remove(session: Session) -> dict:  # --fresh, or what is left of a failed try
+        session.run(["rm", "-rf", runs.run_dir(session, run_id)])
+        return {}
+
+    fanout.each(hosts, remove)
+    return True
+
+
+def _read_json(hosts, run_id: str, name: str, last_line: bool = False) -> dict:
+    with connect(hosts[0]) as session:
+        data = session.read_file(f"{runs.run_dir(session, run_id)}/{name}")
+    if not data:
+        return {}
+    text = data.decode().strip().splitlines()[-1] if last_line else data.decode()
+    return json.loads(text)
+
+
+def _generate(hosts, rows, fresh, check, out) -> str:
+    if _fresh_or_reuse(hosts, "demo-generate", fresh, out):
+        _, code = jobs.generate(hosts, n=rows, dataset="examples/prompts.jsonl", name="demo-generate",
+                                follow=True, out=out)
+        check(code, "generate")
+    stats = _read_json(hosts, "demo-generate", "stats.json")
+    r = stats.get("rows", {})
+    return (f"{r.get('done')} rows ({r.get('errors', 0)} errors, {r.get('truncated', 0)} truncated), "
+            f"{stats.get('out_tok_s')} output tok/s")
+
+
+def _train(hosts, steps, fresh, check, out) -> str:
+    if _fresh_or_reuse(hosts, "demo-train", fresh, out):
+        _, code = jobs.train(hosts, data=["demo-generate"], steps=steps, name="demo-train", follow=True, out=out,
+                             extra=["--draft-vocab", "256", "--ttt-steps", "3", "--save-every", "100000",
+                                    "--max-len", "512"])
+        check(code, "train")
+    m = _read_json(hosts, "demo-train", "metrics.jsonl", last_line=True)
+    acc = " ".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc_"))
+    return f"loss {m.get('loss')}, acc per position {acc}, simulated AL {m.get('sim_al')}"
+
+
+def _eval(hosts, n, fresh, dest, check, out) -> str:
+    if _fresh_or_reuse(hosts, "demo-eval", fresh, out):
+        _, code, _ = jobs.evaluate(hosts, draft="demo-train", n=n, name="demo-eval", dest=dest, out=out,
+                                   extra=["--temperature", "0"])
+        check(code, "eval")
+    report = _read_json(hosts, "demo-eval", "report.json")
+    return (f"acceptance length {report.get('acceptance_length')} (K=3, max 4.0), "
+            f"speedup {report.get('speedup')}")
+
+
+def _pull(hosts, dest, check, out) -> str:
+    for run_id in ("demo-generate", "demo-train", "demo-eval"):
+        check(artifacts.pull(hosts, run_id, dest=dest, out=out), f"pull {run_id}")
+    return f"{Path(dest).resolve()}/demo-*/{hosts[0].name}/"
