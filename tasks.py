@@ -48,7 +48,7 @@ def logs(c, run, on=None, inventory=None, follow=False, lines=50):
 
 
 @task(help={**HOST_HELP, "run": RUN_HELP, "grace": "seconds after SIGINT before SIGTERM (and after SIGTERM)"})
-def stop(c, run, on=None, inventory=None, grace=30.0):
+def stop(c, run, on=None, inventory=None, grace=30):
     """Stop a run: SIGINT to its process group, SIGTERM after a grace period; exit code recorded, outputs kept."""
     return runs.stop_on(select_hosts(c, inventory, on), run, grace=grace)
 
