@@ -91,7 +91,7 @@ def wait_ready(session: Session, sup, *, timeout: float, secrets: dict[str, str]
             end.update(msg)
         display.update(startup, seen["health"])
 
-    config = sup.probe_config(served_name(session), timeout=timeout)
+    config = sup.probe_config(served_name(session), timeout=timeout, tail_lines=TAIL_LINES)
     session.run([host.python, "-c", PROBE_SOURCE, "watch", json.dumps(config)], hide="err",
                 out_stream=JsonLines(on_message), timeout=timeout + 60)
     display.finish()
@@ -101,7 +101,7 @@ def wait_ready(session: Session, sup, *, timeout: float, secrets: dict[str, str]
         return {"endpoint": endpoint(session), "model": end["ready"]["id"],
                 "max_model_len": end["ready"].get("max_model_len"), "ready_in": f"{elapsed:.1f}s"}
     if "dead" in end:
-        print_tail(session, sup, secrets, out=out)
+        print_tail(session.host.name, end.get("tail", ""), secrets, out=out)
         raise SpecopsError(f"{host.name}: vLLM died while starting (now {end['dead']['state']}) after "
                            f"{elapsed:.0f}s; its last {TAIL_LINES} log lines are above. More: {more}")
     if "timeout" in end:
@@ -119,11 +119,10 @@ def endpoint(session: Session) -> str:
     return f"http://{address}:{host.port}/v1"
 
 
-def print_tail(session: Session, sup, secrets: dict[str, str], lines: int = TAIL_LINES, out=None) -> None:
-    """The last log lines, as a terminal would show them (progress bars collapsed), secrets redacted."""
-    text = session.sh(sup.log_command(lines, follow=False), check=False, timeout=60).stdout
+def print_tail(host_name: str, text: str, secrets: dict[str, str], out=None) -> None:
+    """The log's last lines, as a terminal would show them (progress bars collapsed), secrets redacted."""
     out = out or sys.stderr
-    print(f"--- {session.host.name}: last {lines} log lines ---", file=out)
+    print(f"--- {host_name}: last {TAIL_LINES} log lines ---", file=out)
     for line in text.splitlines():
         print(secrets_mod.redact(line.split("\r")[-1] or line, secrets), file=out)
     print("---", file=out, flush=True)

@@ -53,6 +53,8 @@ def choose(session: Session, facts: HostFacts, layout: Layout, requested: str | 
 
 
 class Supervisor:
+    """What both supervisors offer: write(), running(), start(restart), stop(), log_argv(lines, follow)."""
+
     name = "?"
 
     def __init__(self, session: Session, facts: HostFacts, layout: Layout, policy: Policy):
@@ -63,7 +65,8 @@ class Supervisor:
         """Put the rendered files in place; True if any of them changed."""
         changed = self._replace(self.layout.env_file, rendered.env, 0o600)  # secrets: private from birth
         changed |= self._install(rendered)
-        self.session.write_file(self.layout.marker, self.name + "\n")
+        if self.facts.last != self.name:
+            self.session.write_file(self.layout.marker, self.name + "\n")
         return changed
 
     def _replace(self, path: str, text: str, mode: int) -> bool:
@@ -72,7 +75,11 @@ class Supervisor:
         self.session.write_file(path, text, mode)
         return True
 
-    def probe_config(self, model: str, timeout: float = 0) -> dict:
+    def log_command(self, lines: int, follow: bool) -> str:
+        """The shell command that prints the service log on the host."""
+        return " ".join(quote(a) for a in self.log_argv(lines, follow))
+
+    def probe_config(self, model: str, timeout: float = 0, tail_lines: int = 50) -> dict:
         """What remote/service_probe.py needs to find this service on the host (no secrets)."""
         h, L = self.session.host, self.layout
         address = "127.0.0.1" if h.bind in ("0.0.0.0", "::", "localhost") else h.bind
@@ -80,7 +87,7 @@ class Supervisor:
                 "url": f"http://{'[' + address + ']' if ':' in address else address}:{h.port}",
                 "model": model, "env_file": L.env_file, "log_file": L.log_file, "pid_file": L.pid_file,
                 "supervisor_pid_file": L.supervisor_pid_file, "state_file": L.state_file,
-                "timeout": timeout, "interval": 0.25}
+                "tail_argv": self.log_argv(tail_lines, follow=False), "timeout": timeout, "interval": 0.25}
 
 
 class Systemd(Supervisor):
@@ -114,9 +121,10 @@ class Systemd(Supervisor):
     def stop(self) -> None:
         self._root(["systemctl", "disable", "--now", "--quiet", UNIT_NAME], timeout=self.policy.stop_timeout_s + 60)
 
-    def log_command(self, lines: int, follow: bool) -> str:
-        argv = self._sudo(["journalctl", "-u", UNIT_NAME, "--no-pager", "-n", str(lines)] + (["-f"] if follow else []))
-        return " ".join(quote(a) for a in argv)
+    def log_argv(self, lines: int, follow: bool) -> list[str]:
+        # --all: progress bars hold \r, which journalctl would otherwise show as "[blob data]"
+        return self._sudo(["journalctl", "-u", UNIT_NAME, "--all", "--no-pager", "-n", str(lines)]
+                          + (["-f"] if follow else []))
 
     def _sudo(self, argv: list[str]) -> list[str]:
         return argv if self.facts.uid == 0 else ["sudo", "-n", *argv]
@@ -151,10 +159,15 @@ class Tmux(Supervisor):
         return self._replace(self.layout.script, rendered.script, 0o755)
 
     def running(self) -> bool:
-        """The supervisor script is alive (checked by its command line, so a reused pid cannot fool it)."""
-        script = _SUPERVISOR_ALIVE.format(pid_file=quote(self.layout.supervisor_pid_file),
-                                          script=quote(self.layout.script))
-        return self.session.sh(script, check=False, timeout=30).ok
+        return self.session.sh(self._alive_check(), check=False, timeout=30).ok
+
+    def _alive_check(self) -> str:
+        """Shell test: the supervisor lives. It records its own exit in the state file (tmux reaps
+        its pane lazily, so kill -0 alone would see a finished one), and needs its tmux session."""
+        L = self.layout
+        return (f"{{ pid=$(cat {quote(L.supervisor_pid_file)} 2>/dev/null) && [ -n \"$pid\" ] && "
+                f"! grep -qE '^(inactive|failed)' {quote(L.state_file)} 2>/dev/null && kill -0 \"$pid\" 2>/dev/null "
+                f"&& tmux has-session -t ={TMUX_SESSION} 2>/dev/null; }}")
 
     def start(self, restart: bool) -> None:
         if restart:
@@ -168,19 +181,14 @@ class Tmux(Supervisor):
 
     def stop(self) -> None:
         """SIGTERM to the supervisor, which stops vLLM's process group (SIGKILL after the stop timeout)."""
-        script = _SUPERVISOR_ALIVE.format(pid_file=quote(self.layout.supervisor_pid_file),
-                                          script=quote(self.layout.script))
         wait_s = self.policy.stop_timeout_s + 10
-        # tmux reaps its pane's process lazily (seconds): a zombie supervisor has finished
-        self.session.sh(f"if {script}; then kill -TERM \"$pid\"; for ((i = 0; i < {wait_s * 10}; i++)); do "
-                        f"ps -o stat= -p \"$pid\" | grep -qv '^Z' || break; sleep 0.1; done; fi; "
+        alive = self._alive_check()
+        self.session.sh(f"if {alive}; then kill -TERM \"$pid\"; for ((i = 0; i < {wait_s * 10}; i++)); do "
+                        f"{alive} || break; sleep 0.1; done; fi; "
                         f"tmux kill-session -t ={TMUX_SESSION} 2>/dev/null; true", timeout=wait_s + 30)
 
-    def log_command(self, lines: int, follow: bool) -> str:
-        return f"tail -n {int(lines)} {'-F ' if follow else ''}{quote(self.layout.log_file)}"
+    def log_argv(self, lines: int, follow: bool) -> list[str]:
+        return ["tail", "-n", str(lines), *(["-F"] if follow else []), self.layout.log_file]
 
-
-_SUPERVISOR_ALIVE = ("{{ pid=$(cat {pid_file} 2>/dev/null) && [ -n \"$pid\" ] && "
-                     "grep -qaF {script} /proc/$pid/cmdline 2>/dev/null; }}")
 
 SUPERVISORS = {"systemd": Systemd, "tmux": Tmux}
