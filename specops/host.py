@@ -212,12 +212,18 @@ class Session:
             os.chmod(tmp, mode)
             os.replace(tmp, path)
             return
-        self.run(["mkdir", "-p", parent], timeout=30)
+        sftp = self.sftp()
         try:
-            with self._watchdog(SFTP_TIMEOUT), self._conn.sftp().open(tmp, "wx") as f:
-                f.chmod(mode)
-                f.write(data)
-            self.run(["mv", "-f", tmp, path], timeout=30)
+            with self._watchdog(SFTP_TIMEOUT):
+                try:
+                    f = sftp.open(tmp, "wx")
+                except FileNotFoundError:  # first write into a new directory: one extra round trip
+                    self.run(["mkdir", "-p", parent], timeout=30)
+                    f = sftp.open(tmp, "wx")
+                with f:
+                    f.chmod(mode)
+                    f.write(data)
+                sftp.posix_rename(tmp, path)
         except (OSError, paramiko.SSHException) as e:
             self.run(["rm", "-f", tmp], timeout=30, check=False)
             raise HostError(f"{self.host.name}: cannot write {path}: {e}") from None

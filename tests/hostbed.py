@@ -137,7 +137,7 @@ def loopback_sshd(tmpdir, users=("root", ML_USER), extra_config=()):
                 port, "127.0.0.1", tmpdir / "ssh_host_ed25519_key", client_pub,
                 f"SetEnv TMUX_TMPDIR={shared / 'tmux'}", *extra_config))
             _sh(SSHD, "-t", "-f", str(conf))
-            proc = _spawn(["unshare", "--pid", "--fork", "--kill-child", SSHD, "-D", "-e", "-f", str(conf)],
+            proc = _spawn(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", SSHD, "-D", "-e", "-f", str(conf)],
                           tmpdir / "sshd.log")
             if _wait_banner("127.0.0.1", port, proc, 10):
                 break
