@@ -119,10 +119,12 @@ def _read_json(hosts, run_id: str, name: str, last_line: bool = False) -> dict:
 def _generate(hosts, rows, fresh, check, out) -> str:
     if _fresh_or_reuse(hosts, "demo-generate", fresh, out):
         _, code = jobs.generate(hosts, n=rows, dataset="examples/prompts.jsonl", name="demo-generate",
-                                follow=True, out=out)
+                                follow=True, out=out, extra=["--max-tokens", "384", "--concurrency", "16"])
         check(code, "generate")
     stats = _read_json(hosts, "demo-generate", "stats.json")
     r = stats.get("rows", {})
+    if not r.get("done"):
+        check(1, "generate: no row completed (see errors.jsonl: inv pull --run demo-generate)")
     return (f"{r.get('done')} rows ({r.get('errors', 0)} errors, {r.get('truncated', 0)} truncated), "
             f"{stats.get('out_tok_s')} output tok/s")
 

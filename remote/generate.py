@@ -1,0 +1,461 @@
+#!/usr/bin/env python3
+"""Ask a served model to answer dataset prompts, and record its own reasoning and answers.
+
+    python remote/generate.py --endpoint http://127.0.0.1:8000 [--endpoint URL ...] --out DIR
+        [--dataset mlabonne/open-perfectblend | FILE.jsonl|.json|.parquet] [--split train]
+        [--n N] [--shard I/K] [--shuffle --seed S] [--model NAME] [--concurrency 64]
+        [--max-tokens 8192] [--temperature T] [--top-p P] [--timeout 1800] [--max-retries 8]
+        [--turns all|first] [--enable-thinking|--disable-thinking] [--api-key-env VLLM_API_KEY]
+        [--give-up-after 600] [--drop-truncated] [--resume]
+
+A draft model learns best from the target's own outputs, so every assistant turn of a dataset row
+is regenerated in order, sending back the model's own earlier answers (content only: earlier
+reasoning is never sent). Each finished row is one line of DIR/data.jsonl:
+
+    {"id", "source", "messages": [{"role", "content", "reasoning"?}], "truncated",
+     "turns": [{"finish_reason", "usage": {...}, "latency_s", "endpoint"}], "model", "params"}
+
+Exactly once: a row is appended only when all its turns are done; re-running into the same DIR
+skips the ids already there (a crash's torn last line is cut off) and retries the rest, including
+rows in errors.jsonl. Rows sharing an id (the same prompt, when ids are hashes) are generated once.
+A row whose turn was cut by --max-tokens ends there and is marked truncated. Memory stays flat:
+rows stream in, and only as many are held as there are request slots (plus the set of done ids).
+
+Exit codes: 0 done (some rows may be in errors.jsonl), 1 the dataset failed mid-way, 2 bad input
+(arguments, dataset, output directory, or an endpoint that refuses to list its models), 3 every
+endpoint failed for --give-up-after seconds, 130/143 interrupted by SIGINT/SIGTERM. Completed rows
+are kept in every case. A progress line `specops-progress {json}` goes to stdout every few seconds.
+"""
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import signal
+import sys
+import time
+
+from datasets_io import (DatasetError, RowError, open_rows, prompt_chunks, row_id, row_messages,
+                         shard_size, take_shard)
+from endpoints import EndpointPool, Failure, backoff_s, classify
+from run_files import RunDirError, RunFiles
+
+PROGRESS_EVERY_S = 5.0
+ROW_RETRY_BASE_S, ROW_RETRY_CAP_S = 1.0, 60.0
+READ_BATCH = 256  # rows read from the dataset per hop to the reader thread
+START_RAMP_S = 1.0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--endpoint", action="append", required=True, metavar="URL",
+                    help="server base URL, http://host:port or .../v1; repeat for several")
+    ap.add_argument("--model", help="served model name (default: the first one /v1/models lists)")
+    ap.add_argument("--dataset", default="mlabonne/open-perfectblend",
+                    help="hub dataset name, or a local .jsonl/.json/.parquet file or directory")
+    ap.add_argument("--split", default="train")
+    ap.add_argument("--n", type=positive_int, help="use the first N rows (counted before sharding)")
+    ap.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/K",
+                    help="take the rows whose index mod K == I")
+    ap.add_argument("--shuffle", action="store_true", help="shuffle rows (buffered, seeded)")
+    ap.add_argument("--seed", type=int, default=0, help="shuffle seed")
+    ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    ap.add_argument("--concurrency", type=positive_int, default=64,
+                    help="requests in flight per endpoint")
+    ap.add_argument("--max-tokens", type=positive_int, default=8192)
+    ap.add_argument("--temperature", type=float, help="default: the server's (generation_config)")
+    ap.add_argument("--top-p", type=float, help="default: the server's (generation_config)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    ap.add_argument("--max-retries", type=int, default=8,
+                    help="retries of a request after a timeout, 408/409/429 or 5xx")
+    ap.add_argument("--give-up-after", type=float, default=600.0, metavar="SECONDS",
+                    help="stop (exit 3) when every endpoint has failed for this long")
+    ap.add_argument("--turns", choices=["all", "first"], default="all",
+                    help="regenerate every assistant turn, or only the first")
+    thinking = ap.add_mutually_exclusive_group()
+    thinking.add_argument("--enable-thinking", dest="enable_thinking", action="store_const",
+                          const=True, help="send chat_template_kwargs.enable_thinking=true")
+    thinking.add_argument("--disable-thinking", dest="enable_thinking", action="store_const",
+                          const=False, help="send chat_template_kwargs.enable_thinking=false")
+    ap.add_argument("--api-key-env", default="VLLM_API_KEY", metavar="VAR",
+                    help="environment variable holding the API key (never pass the key itself)")
+    ap.add_argument("--drop-truncated", action="store_true",
+                    help="keep rows cut by --max-tokens out of data.jsonl (they go to errors.jsonl)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in DIR (required to exist); plain re-runs resume too")
+    ap.add_argument("--check", action="store_true",
+                    help="only check that the dataset opens and every endpoint lists the model; write nothing")
+    return ap.parse_args(argv)
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def shard_spec(text):
+    try:
+        index, count = (int(p) for p in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/K, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"need 0 <= I < K, got {text!r}")
+    return index, count
+
+
+def sampling_params(args):
+    """The parameters sent with every request, as recorded in each record's `params`."""
+    params = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        params["temperature"] = args.temperature
+    if args.top_p is not None:
+        params["top_p"] = args.top_p
+    if args.enable_thinking is not None:
+        params["chat_template_kwargs"] = {"enable_thinking": args.enable_thinking}
+    return params
+
+
+def split_reasoning(message):
+    """(reasoning, content) of a reply's message (JSON), whitespace exactly as the model wrote it.
+
+    Reasoning parsers put the thinking in `reasoning` (vLLM since late 2025) or `reasoning_content`
+    (before); without a parser it is inline in the content as <think>...</think>.
+    """
+    content = message.get("content")
+    for field in ("reasoning", "reasoning_content"):
+        if message.get(field) is not None:
+            return message[field], content
+    if content and "</think>" in content:
+        head, _, answer = content.partition("</think>")
+        return head.split("<think>", 1)[-1], answer
+    return None, content
+
+
+class Stats:
+    """Counters for progress lines and stats.json."""
+
+    def __init__(self, total):
+        self.start = time.monotonic()
+        self.total = total  # rows in the shard; None until known
+        self.done_before = self.completed = self.errors = self.malformed = self.duplicates = 0
+        self.truncated = self.dropped = self.empty = 0
+        self.requests = self.failed_attempts = 0
+        self.prompt_tokens = self.completion_tokens = self.reasoning_tokens = 0
+
+    def finished(self):
+        """Rows of the shard settled so far, this run or before."""
+        return (self.done_before + self.completed + self.errors + self.malformed
+                + self.duplicates + self.dropped)
+
+    def progress(self, in_flight):
+        wall = time.monotonic() - self.start
+        rows_s = self.completed / wall if wall else 0.0
+        eta = None
+        if self.total is not None:
+            left = max(0, self.total - self.finished())
+            eta = 0 if not left else round(left / rows_s) if rows_s else None
+        return {"done": self.done_before + self.completed, "total": self.total,
+                "rows_s": round(rows_s, 3), "req_s": round(self.requests / wall, 3) if wall else 0.0,
+                "out_tok_s": round(self.completion_tokens / wall, 1) if wall else 0.0,
+                "eta_s": eta, "errors": self.errors + self.malformed, "truncated": self.truncated,
+                "empty": self.empty, "retries": self.failed_attempts, "in_flight": in_flight}
+
+    def summary(self, pool, outcome):
+        wall = time.monotonic() - self.start
+        return {
+            "outcome": outcome, "wall_s": round(wall, 3),
+            "rows": {"total": self.total, "done": self.done_before + self.completed,
+                     "done_before": self.done_before, "completed": self.completed,
+                     "errors": self.errors, "malformed": self.malformed,
+                     "duplicates": self.duplicates, "truncated": self.truncated,
+                     "dropped_truncated": self.dropped, "empty_answers": self.empty},
+            "requests": {"completed": self.requests, "failed_attempts": self.failed_attempts},
+            "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens,
+                       "reasoning": self.reasoning_tokens},
+            "rows_s": round(self.completed / wall, 3), "req_s": round(self.requests / wall, 3),
+            "out_tok_s": round(self.completion_tokens / wall, 1),
+            "endpoints": {e.url: {"requests": e.requests, "failed": e.failed}
+                          for e in pool.endpoints},
+        }
+
+
+def progress_line(fields):
+    print("specops-progress " + json.dumps(fields, separators=(",", ":")), flush=True)
+
+
+class Generator:
+    """Turns dataset rows into records; many rows are in flight at once, sharing the endpoints."""
+
+    def __init__(self, args, pool, files, stats, model):
+        self.args, self.pool, self.files, self.stats, self.model = args, pool, files, stats, model
+        self.params = sampling_params(args)
+
+    async def ask(self, messages):
+        """One assistant turn: (message, finish_reason, usage, latency_s, endpoint URL).
+
+        Retried as the failure allows; raises Failure when out of retries or on a fatal one.
+        """
+        counted = attempts = 0
+        while True:
+            endpoint = await self.pool.acquire()
+            attempts += 1
+            started = time.monotonic()
+            try:
+                # The raw JSON, not the SDK's typed path: `reasoning` is no declared field there, and
+                # typing every request and reply costs more CPU than the rest of the client together.
+                reply = await endpoint.client.post(
+                    "/chat/completions", cast_to=dict,
+                    body={"model": self.model, "messages": messages, **self.params})
+            except Exception as e:
+                failure = classify(e)
+                await self.pool.release(endpoint, failure)
+                failure.attempts = attempts
+                if failure.kind == "fatal":
+                    raise failure from None
+                self.stats.failed_attempts += 1
+                if failure.kind == "connection":  # the endpoint rests; the row is not to blame
+                    continue
+                counted += 1
+                if counted > self.args.max_retries:
+                    raise failure from None
+                await asyncio.sleep(backoff_s(counted, ROW_RETRY_BASE_S, ROW_RETRY_CAP_S))
+                continue
+            latency = time.monotonic() - started
+            await self.pool.release(endpoint)
+            try:
+                choice = reply["choices"][0]
+                return choice["message"], choice["finish_reason"], reply.get("usage"), latency, \
+                    endpoint.url
+            except (KeyError, IndexError, TypeError, AttributeError):
+                failure = Failure("fatal", f"malformed reply: {json.dumps(reply)[:200]}")
+                failure.attempts = attempts
+                raise failure from None
+
+    async def run_row(self, rid, source, chunks):
+        """Generate every turn of one row, then append it (or its error) in one write."""
+        sent, messages, turns, truncated = [], [], [], False
+        for chunk in chunks:
+            sent += chunk
+            messages += chunk
+            try:
+                message, finish_reason, use, latency, url = await self.ask(sent)
+            except Failure as f:
+                self.stats.errors += 1
+                self.files.add_error({"id": rid, "error": str(f), "attempts": f.attempts,
+                                      "status": f.status, "turn": len(turns)})
+                return
+            reasoning, content = split_reasoning(message)
+            messages.append({"role": "assistant", "content": content, "reasoning": reasoning})
+            sent.append({"role": "assistant", "content": content or ""})
+            turns.append({"finish_reason": finish_reason, "usage": usage(use),
+                          "latency_s": round(latency, 3), "endpoint": url})
+            self.count_turn(turns[-1]["usage"], content, finish_reason)
+            if finish_reason == "length":  # later turns would build on a cut-off answer
+                truncated = True
+                break
+        if truncated:
+            self.stats.truncated += 1
+            if self.args.drop_truncated:
+                self.stats.dropped += 1
+                self.files.add_error({"id": rid, "error": "truncated at --max-tokens (dropped)",
+                                      "attempts": None, "status": None, "turn": len(turns) - 1})
+                return
+        self.files.add_record({"id": rid, "source": source, "messages": messages,
+                               "truncated": truncated, "turns": turns,
+                               "model": self.model, "params": self.params})
+        self.stats.completed += 1
+
+    def count_turn(self, use, content, finish_reason):
+        s = self.stats
+        s.requests += 1
+        s.prompt_tokens += use["prompt_tokens"] or 0
+        s.completion_tokens += use["completion_tokens"] or 0
+        s.reasoning_tokens += use["reasoning_tokens"] or 0
+        if finish_reason != "length" and not (content or "").strip():
+            s.empty += 1
+
+
+def usage(u):
+    """The token counts of a reply's usage object (any may be missing: None)."""
+    u = u or {}
+    return {"prompt_tokens": u.get("prompt_tokens"), "completion_tokens": u.get("completion_tokens"),
+            "reasoning_tokens": (u.get("completion_tokens_details") or {}).get("reasoning_tokens")}
+
+
+async def discover_model(pool, give_up_after):
+    """The first model the endpoints list, asked again with backoff until give_up_after."""
+    deadline = time.monotonic() + give_up_after
+    for attempt in itertools.count(1):
+        for endpoint in pool.endpoints:
+            try:
+                models = await endpoint.client.models.list(timeout=30)
+                if models.data:
+                    return models.data[0].id
+                last = f"{endpoint.url} lists no model"
+            except Exception as e:
+                failure = classify(e)
+                last = f"{endpoint.url}: {failure}"
+                if failure.kind == "fatal":  # e.g. 401: asking again will not help
+                    raise Failure("fatal", f"cannot list models ({last})") from None
+        if time.monotonic() > deadline:
+            raise Failure("connection", f"no endpoint listed a model ({last})")
+        await asyncio.sleep(backoff_s(attempt, 1.0, 15.0))
+
+
+async def until_stopped(awaitable, stop):
+    """Await `awaitable` unless `stop` is set first, in which case cancel it and return None."""
+    task = asyncio.ensure_future(awaitable)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+EXIT_CODES = {None: 0, "dataset failed": 1, "bad endpoint": 2, "gave up": 3, "interrupted": 130,
+              "terminated": 143}
+
+
+async def run(args, files, rows, total):
+    """Feed rows to workers until the dataset ends, a signal comes, or every endpoint is dead."""
+    pool = EndpointPool(args.endpoint, args.concurrency,
+                        os.environ.get(args.api_key_env) or "EMPTY", args.timeout)
+    stats = Stats(total)
+    stop, outcome = asyncio.Event(), {"why": None}
+
+    def stop_because(why):
+        outcome["why"] = outcome["why"] or why
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop_because, "interrupted")
+    loop.add_signal_handler(signal.SIGTERM, stop_because, "terminated")
+
+    async def monitor():
+        next_progress = time.monotonic() + PROGRESS_EVERY_S
+        while True:
+            await asyncio.sleep(0.5)
+            if not stop.is_set() and pool.all_failing_for() >= args.give_up_after:
+                print(f"generate: every endpoint has failed for {args.give_up_after:g} s; "
+                      f"stopping", file=sys.stderr, flush=True)
+                stop_because("gave up")
+            if time.monotonic() >= next_progress:
+                next_progress += PROGRESS_EVERY_S
+                progress_line(stats.progress(pool.in_flight))
+                files.write_stats(stats.summary(pool, "running"))
+
+    def admit(row, seen):
+        """The work item for a row, or None when it is malformed, done already or a duplicate."""
+        try:
+            chunks = prompt_chunks(row_messages(row))
+        except RowError as e:
+            files.add_error({"id": row_id(row), "error": str(e), "attempts": 0, "status": None,
+                             "turn": None})
+            stats.malformed += 1
+            return None
+        rid = row_id(row, chunks)
+        if rid in files.done_ids:
+            stats.done_before += 1
+        elif rid in seen:
+            stats.duplicates += 1
+        else:
+            seen.add(rid)
+            return rid, row.get("source"), chunks if args.turns == "all" else chunks[:1]
+        return None
+
+    async def produce(queue, workers):
+        seen, read, batches = set(), 0, iter(lambda: list(itertools.islice(rows, READ_BATCH)), [])
+        try:
+            while batch := await asyncio.to_thread(next, batches, []):
+                read += len(batch)
+                for _, row in batch:
+                    if item := admit(row, seen):
+                        await queue.put(item)
+            stats.total = read  # now known exactly, even if --n was more than the dataset has
+        except DatasetError as e:
+            print(f"generate: {e}", file=sys.stderr, flush=True)
+            outcome["why"] = "dataset failed"  # rows already in flight still finish
+        for _ in range(workers):
+            await queue.put(None)
+
+    async def work(queue, generator, index):
+        # Workers start spread over START_RAMP_S: a fixed-latency server otherwise answers all
+        # of them in one burst per cycle, forever, and each burst waits on the client's CPU.
+        await asyncio.sleep(START_RAMP_S * index / pool.slots)
+        while item := await queue.get():
+            await generator.run_row(*item)
+
+    monitor_task = asyncio.create_task(monitor())
+    try:
+        model = args.model or await until_stopped(discover_model(pool, args.give_up_after), stop)
+        if model:
+            generator = Generator(args, pool, files, stats, model)
+            queue = asyncio.Queue(maxsize=pool.slots)
+            await until_stopped(asyncio.gather(produce(queue, pool.slots),
+                                               *(work(queue, generator, i) for i in range(pool.slots))),
+                                stop)
+    except Failure as e:
+        print(f"generate: {e}; check the endpoints or pass --model", file=sys.stderr, flush=True)
+        outcome["why"] = "gave up" if e.kind == "connection" else "bad endpoint"
+    finally:
+        monitor_task.cancel()
+        await pool.close()
+    progress_line(stats.progress(0))
+    files.write_stats(stats.summary(pool, outcome["why"] or "completed"))
+    return EXIT_CODES[outcome["why"]]
+
+
+async def check_endpoints(args):
+    """--check: one /v1/models per endpoint, so a launch fails fast instead of inside a detached run."""
+    pool = EndpointPool(args.endpoint, 1, os.environ.get(args.api_key_env) or "EMPTY", 30)
+    try:
+        for endpoint in pool.endpoints:
+            try:
+                listed = [m.id for m in (await endpoint.client.models.list(timeout=30)).data]
+            except Exception as e:
+                return fail(f"{endpoint.url} does not answer ({classify(e)}); is the server up (inv serve --status)?")
+            if args.model and args.model not in listed:
+                return fail(f"{endpoint.url} serves {', '.join(listed) or 'no model'}, not {args.model}")
+        print(f"generate: ok: dataset {args.dataset} opens; {len(pool.endpoints)} endpoint(s) answer", flush=True)
+        return 0
+    finally:
+        await pool.close()
+
+
+def fail(message):
+    print(f"generate: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.resume and not os.path.exists(os.path.join(args.out, "data.jsonl")):
+        return fail(f"--resume: {args.out} holds no data.jsonl to resume")
+    try:
+        rows = take_shard(open_rows(args.dataset, args.split, args.seed if args.shuffle else None),
+                          args.n, args.shard)
+        if args.check:
+            return asyncio.run(check_endpoints(args))
+        files = RunFiles(args.out)
+    except (DatasetError, RunDirError) as e:
+        return fail(e)
+    if files.torn_bytes:
+        print(f"generate: cut off a torn last line of data.jsonl ({files.torn_bytes} bytes)",
+              file=sys.stderr, flush=True)
+    # The imports leave ~1M long-lived objects; without this each full GC pass rescans them all,
+    # a pause long enough to bunch up hundreds of requests.
+    gc.freeze()
+    try:
+        return asyncio.run(run(args, files, rows, shard_size(args.n, args.shard) if args.n else None))
+    finally:
+        files.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
