@@ -1,0 +1,85 @@
+"""Where the trainer gets the target's hidden states from.
+
+The draft needs, per token: the target's residual stream entering three layers
+(the "aux" states, vLLM's layer-id convention: id k = the input of layer k,
+0 = the token embeddings, L = the last layer's output before the final norm)
+and the target's next-token distribution, which is final norm + lm_head of
+the id-L state. A `TargetStates` source provides both, plus the frozen
+embedding table the draft shares with the target.
+
+`OnlineTargetStates` runs the frozen target (transformers) on each batch: no
+state dumps on disk. A second source (states precomputed by vLLM into shards,
+for targets transformers cannot hold) implements the same three methods.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TargetBatch:
+    aux: torch.Tensor  # [B, T, 3H] the aux states, ascending ids, concatenated as vLLM's fc reads them
+    last: torch.Tensor  # [B, T, H] id L: the last layer's output, before the final norm
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default (2, L//2, L-3); for targets too shallow for it, three ids spread over [0, L]."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if ids == sorted(set(ids)) and ids[0] >= 0:
+        return ids
+    return [0, (num_layers + 1) // 2, num_layers]
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int) -> None:
+    """vLLM concatenates aux states in layer order and does not range-check ids (a bad one kills the engine)."""
+    if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] > num_layers:
+        raise ValueError(f"aux layer ids {ids}: need 3 distinct ascending ids in [0, {num_layers}]")
+
+
+class OnlineTargetStates:
+    """The target model itself, frozen, run under no_grad on each batch."""
+
+    def __init__(self, path: str, aux_layer_ids: list[int] | None, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+        self.config = self.model.config.get_text_config()
+        self.layers = self.model.base_model.layers
+        n = len(self.layers)
+        self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n)
+        check_aux_layer_ids(self.aux_layer_ids, n)
+        self._captured: dict[int, torch.Tensor] = {}
+        for k in self.aux_layer_ids:
+            if k < n:
+                self.layers[k].register_forward_pre_hook(self._capture_input(k), with_kwargs=True)
+        self.layers[n - 1].register_forward_hook(self._capture_output(n))
+
+    def _capture_input(self, k):
+        def hook(module, args, kwargs):
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _capture_output(self, k):
+        def hook(module, args, output):
+            self._captured[k] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @torch.no_grad()
+    def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sample_index: list[int]) -> TargetBatch:
+        """sample_index (which samples the rows are) is unused here; a precomputed source looks states up by it."""
+        self._captured.clear()
+        self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        last = self._captured[len(self.layers)]
+        aux = torch.cat([self._captured[k] for k in self.aux_layer_ids], dim=-1)
+        self._captured.clear()
+        return TargetBatch(aux=aux, last=last)
+
+    @torch.no_grad()
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """[B, T, V]: the target's next-token logits from the id-L state (final norm + lm_head)."""
+        return self.model.get_output_embeddings()(self.model.base_model.norm(last))

@@ -1,0 +1,428 @@
+#!/usr/bin/env python3
+"""Train an EAGLE-3 draft for a target model and export it in the format vLLM loads.
+
+    python remote/train.py --target PATH --data FILE_OR_DIR [--data ...] --out DIR [options]
+    torchrun --nproc-per-node 2 remote/train.py ...   (DDP; each rank trains on its slice of the batches)
+
+Reads top to bottom: data (conversations rendered with the target's own chat
+template, draft vocabulary), target states (the frozen target run online on
+each batch), draft, optimizer, the loop (training-time-test loss, metrics,
+checkpoints), export.
+
+Writes only under --out: metrics.jsonl (one line per step), checkpoint.pt
+(draft, optimizer, scheduler, RNG, step: `--resume` continues with the same
+data order), draft/ (config.json, model.safetensors, README.md). Prints a
+`specops-progress {json}` line every few seconds and at the end.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from chat_render import ChatRenderer, Sample, data_files, render_records
+from draft_model import DraftConfig, Eagle3Draft, export
+from target_states import OnlineTargetStates
+
+PROGRESS_EVERY_S = 5.0
+
+
+class Refused(Exception):
+    """Bad input or state: one line on stderr, exit 2."""
+
+
+def progress(**fields):
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    print("specops-progress " + json.dumps(fields, separators=(",", ":")), flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True, help="target model (HF directory or name)")
+    ap.add_argument("--data", action="append", required=True, help="data.jsonl, messages jsonl, or a directory")
+    ap.add_argument("--out", required=True, help="run directory")
+    ap.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (capped at the target's)")
+    ap.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length")
+    ap.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay per TTT step")
+    ap.add_argument("--max-len", type=int, default=4096, help="tokens per sample (longer ones are cut)")
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
+    length.add_argument("--steps", type=int, help="optimizer steps")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps with a linear warmup")
+    ap.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per batch per rank")
+    ap.add_argument("--grad-clip", type=float, default=0.5)
+    ap.add_argument("--aux-layers", help="a,b,c in vLLM's convention (id k = input of layer k; L = last output)")
+    ap.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on cuda, else fp32")
+    ap.add_argument("--include-truncated", action="store_true", help="train on rows that hit max_tokens too")
+    args = ap.parse_args(argv)
+    for name in ("draft_vocab", "ttt_steps", "max_len", "batch_tokens", "save_every"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
+        ap.error("--steps/--epochs must be positive")
+    if not 0 <= args.warmup < 1:
+        ap.error("--warmup is a fraction in [0, 1)")
+    if args.aux_layers:
+        try:
+            args.aux_layers = [int(x) for x in args.aux_layers.split(",")]
+        except ValueError:
+            ap.error("--aux-layers takes three integers, e.g. 2,16,29")
+    return args
+
+
+# ---------------------------------------------------------------- data
+
+
+def load_samples(renderer: ChatRenderer, paths: list[str], max_len: int, include_truncated: bool):
+    """Every trainable sample as (ids int32, mask bool) tensors (~5 bytes a token); returns (samples, stats)."""
+    samples, stats = [], {}
+    last = time.monotonic()
+    for sample in render_records(renderer, paths, max_len, include_truncated, stats):
+        samples.append(Sample(torch.tensor(sample.ids, dtype=torch.int32), torch.tensor(sample.mask, dtype=torch.bool)))
+        if time.monotonic() - last > PROGRESS_EVERY_S:
+            last = time.monotonic()
+            progress(stage="render", rows=stats["rows"], samples=len(samples))
+    stats["samples"] = len(samples)
+    stats["tokens"] = sum(len(s.ids) for s in samples)
+    stats["loss_tokens"] = sum(int(s.mask.sum()) for s in samples)
+    return samples, stats
+
+
+def draft_vocab(samples, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` target ids seen most often on loss-masked tokens (ties: lower id), ascending."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        ids = s.ids[s.mask].long()
+        counts.index_add_(0, ids, torch.ones_like(ids))
+    order = sorted(range(vocab_size), key=lambda i: (-counts[i].item(), i))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
+def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Sample indices per batch for one epoch: a seeded shuffle cut into batches of <= batch_tokens padded tokens."""
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+    batches, batch, width = [], [], 0
+    for i in order:
+        if batch and max(width, lengths[i]) * (len(batch) + 1) > batch_tokens:
+            batches.append(batch)
+            batch, width = [], 0
+        batch.append(i)
+        width = max(width, lengths[i])
+    return batches + [batch] if batch else batches
+
+
+def rank_batches(lengths, batch_tokens, seed, rank, world):
+    """This rank's (epoch, batch) sequence, epoch after epoch: a pure function of its arguments,
+    so a resumed run sees exactly the batches the interrupted one would have."""
+    epoch = 0
+    while True:
+        batches = epoch_batches(lengths, batch_tokens, seed, epoch)
+        per_rank = len(batches) // world  # ranks step in lockstep: the remainder waits for the next epoch
+        for batch in batches[rank::world][:per_rank]:
+            yield epoch, batch
+        epoch += 1
+
+
+def steps_in_epochs(lengths, batch_tokens, seed, world, epochs: float) -> int:
+    steps, whole = 0, int(epochs)
+    for epoch in range(whole):
+        steps += len(epoch_batches(lengths, batch_tokens, seed, epoch)) // world
+    if epochs > whole:
+        steps += int((epochs - whole) * (len(epoch_batches(lengths, batch_tokens, seed, whole)) // world))
+    return steps
+
+
+def collate(samples, index: list[int], pad_id: int, device):
+    """Right-padded input_ids, attention_mask and loss_mask, each [B, T]."""
+    width = max(len(samples[i].ids) for i in index)
+    ids = torch.full((len(index), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(index), width), dtype=torch.long)
+    loss = torch.zeros((len(index), width), dtype=torch.long)
+    for row, i in enumerate(index):
+        n = len(samples[i].ids)
+        ids[row, :n] = samples[i].ids
+        attention[row, :n] = 1
+        loss[row, :n] = samples[i].mask
+    return ids.to(device), attention.to(device), loss.to(device)
+
+
+# ---------------------------------------------------------------- objective
+
+
+def ttt_loss(step_logits, target_vd, target_top, loss_mask, vocab_ids, in_vocab, decay: float):
+    """Sum over TTT steps of decay^i * soft cross-entropy to the target's distribution over the draft vocab.
+
+    step_logits: i x [B, T, Vd]; slot t of step i predicts token t+2+i, whose target distribution is the
+    target's logits at position t+1+i (target_vd [B, T, Vd], restricted to the draft vocab) and whose
+    target argmax is target_top [B, T] (full vocab). Loss on tokens with loss_mask whose target argmax is
+    in the draft vocab; accuracy (draft argmax == target argmax) on every loss-masked token.
+    Returns (loss, correct [steps], counted [steps]).
+    """
+    T = loss_mask.shape[1]
+    loss = step_logits[0].new_zeros((), dtype=torch.float32)
+    correct, counted = [], []
+    for i, logits in enumerate(step_logits):
+        n = max(T - 2 - i, 0)
+        mask = loss_mask[:, 2 + i : 2 + i + n].bool()
+        top = target_top[:, 1 + i : 1 + i + n]
+        keep = mask & in_vocab[top]
+        log_q = logits[:, :n].float().log_softmax(-1)
+        p = target_vd[:, 1 + i : 1 + i + n].float().softmax(-1)
+        ce = -(p * log_q).sum(-1)
+        loss = loss + decay**i * (ce * keep).sum() / keep.sum().clamp(min=1)
+        correct.append(((vocab_ids[log_q.argmax(-1)] == top) & mask).sum())
+        counted.append(mask.sum())
+    return loss, torch.stack(correct), torch.stack(counted)
+
+
+def simulated_acceptance(acc: list[float]) -> float:
+    """1 (vLLM's bonus token) + expected accepted drafts in a chain: sum_j prod_{i<=j} acc_i."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+# ---------------------------------------------------------------- run state
+
+
+def fingerprint(args, world: int, aux_ids, total_steps: int) -> dict:
+    """What must not change between a run and its resume (else the data order or the model differ)."""
+    files = [(os.path.abspath(p), os.path.getsize(p)) for p in data_files(args.data)]
+    return {
+        "target": args.target, "data": files, "seed": args.seed, "batch_tokens": args.batch_tokens,
+        "max_len": args.max_len, "world_size": world, "ttt_steps": args.ttt_steps, "ttt_decay": args.ttt_decay,
+        "draft_vocab": args.draft_vocab, "aux_layer_ids": list(aux_ids), "total_steps": total_steps,
+        "lr": args.lr, "warmup": args.warmup, "grad_clip": args.grad_clip, "dtype": args.dtype,
+        "include_truncated": args.include_truncated,
+    }
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path, step, draft, opt, sched, vocab_ids, fp, metrics):
+    tmp = path + ".tmp"
+    torch.save({
+        "step": step, "draft": draft.trainable_state_dict(), "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(), "rng": rng_state(), "vocab_ids": vocab_ids.cpu(),
+        "fingerprint": fp, "metrics": metrics,
+    }, tmp)
+    os.replace(tmp, path)
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Drop metric lines past the checkpoint (written by the interrupted run after its last save)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def model_card(args, target, stats, vocab_size, draft_vocab_size, aux_ids, step, metrics) -> str:
+    acc = ", ".join(f"{metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("acc_"))
+    spec = json.dumps({"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3})
+    return f"""# EAGLE-3 draft for `{args.target}`
+
+Trained by specops `remote/train.py` (one Llama decoder layer over three target hidden states;
+embeddings are the target's, left out of this checkpoint).
+
+| | |
+|---|---|
+| target | `{args.target}` ({target.config.num_hidden_layers} layers, hidden {target.config.hidden_size}) |
+| data | {", ".join(f"`{p}`" for p in data_files(args.data))} |
+| rows / samples / tokens | {stats["rows"]} / {stats["samples"]} / {stats["tokens"]} ({stats["loss_tokens"]} trained on) |
+| steps | {step} (batch {args.batch_tokens} tokens, lr {args.lr}, seed {args.seed}) |
+| draft vocabulary | {draft_vocab_size} of {vocab_size} |
+| aux layer ids (vLLM: input of layer k) | {aux_ids} |
+| TTT | {args.ttt_steps} steps, decay {args.ttt_decay} |
+| final loss | {metrics.get("loss", float("nan")):.4f} |
+| accuracy per TTT step | {acc} |
+| simulated acceptance length | {metrics.get("sim_al", float("nan")):.3f} |
+
+Use: `python -m vllm.entrypoints.openai.api_server --model {args.target} --speculative-config '{spec}'`
+"""
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise Refused("--device cuda, but torch sees no CUDA device")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    writer = local_rank == 0  # one writer per host: multi-node runs keep a full copy on every node
+    os.makedirs(args.out, exist_ok=True)
+    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if os.path.exists(ckpt_path) and not args.resume:
+        raise Refused(f"{args.out} already holds a run (checkpoint.pt): pass --resume or another --out")
+
+    # Data: the target's own token stream, loss on its outputs.
+    try:
+        renderer = ChatRenderer.from_pretrained(args.target)
+        samples, stats = load_samples(renderer, args.data, args.max_len, args.include_truncated)
+    except (OSError, ValueError) as e:
+        raise Refused(str(e)) from None
+    if not samples:
+        raise Refused(f"no trainable samples in {args.data} ({stats})")
+    progress(stage="data", **stats)
+
+    # Target: frozen, online.
+    try:
+        target = OnlineTargetStates(args.target, args.aux_layers, device, dtype)
+    except (OSError, ValueError) as e:
+        raise Refused(str(e)) from None
+    V = target.config.vocab_size
+    lengths = [len(s.ids) for s in samples]
+    if args.steps:
+        total_steps = args.steps
+    else:
+        total_steps = steps_in_epochs(lengths, args.batch_tokens, args.seed, world, args.epochs or 1)
+    if total_steps < 1:
+        raise Refused(f"{len(samples)} samples make fewer batches than ranks ({world}): lower --batch-tokens")
+    fp = fingerprint(args, world, target.aux_layer_ids, total_steps)
+
+    # Draft.
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if args.resume and os.path.exists(ckpt_path) else None
+    if ckpt is not None:
+        changed = [k for k in fp if ckpt["fingerprint"].get(k) != fp[k]]
+        if changed:
+            raise Refused(f"cannot resume {ckpt_path}: changed since the run started: {', '.join(changed)}")
+        vocab_ids = ckpt["vocab_ids"]
+    else:
+        vocab_ids = draft_vocab(samples, V, min(args.draft_vocab, V))
+    torch.manual_seed(args.seed)
+    config = DraftConfig.from_target(target.config, len(vocab_ids), target.aux_layer_ids)
+    draft = Eagle3Draft(config, target.embeddings().float(), vocab_ids).to(device)
+    vocab_ids = vocab_ids.to(device)
+    in_vocab = torch.zeros(V, dtype=torch.bool, device=device)
+    in_vocab[vocab_ids] = True
+
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    warmup = math.ceil(args.warmup * total_steps)
+
+    def lr_factor(step):  # linear warmup, then cosine to zero
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    start_step, metrics = 0, {}
+    if ckpt is not None:
+        missing, unexpected = draft.load_state_dict(ckpt["draft"], strict=False)
+        if unexpected or set(missing) != {"embed_tokens.weight", "draft_to_target"}:
+            raise Refused(f"{ckpt_path}: draft tensors do not match (missing {missing}, unexpected {unexpected})")
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        set_rng_state(ckpt["rng"])
+        start_step, metrics = ckpt["step"], ckpt["metrics"]
+        if writer:
+            truncate_metrics(metrics_path, start_step)
+        progress(stage="resume", step=start_step, steps=total_steps)
+    model = torch.nn.parallel.DistributedDataParallel(draft) if world > 1 else draft
+
+    # Loop.
+    batches = rank_batches(lengths, args.batch_tokens, args.seed, rank, world)
+    for _ in range(start_step):
+        next(batches)
+    pad_id = renderer.tok.pad_token_id if renderer.tok.pad_token_id is not None else 0
+    t0 = last_print = time.monotonic()
+    tokens_seen = 0
+    for step in range(start_step, total_steps):
+        step_t0 = time.monotonic()
+        epoch, index = next(batches)
+        input_ids, attention, loss_mask = collate(samples, index, pad_id, device)
+        states = target.states(input_ids, attention, index)
+        with torch.no_grad():
+            target_logits = target.logits(states.last)
+            target_top = target_logits.argmax(-1)
+            target_vd = target_logits[..., vocab_ids]
+            del target_logits
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            step_logits = model(input_ids, states.aux, args.ttt_steps)
+        loss, correct, counted = ttt_loss(
+            step_logits, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip)
+        opt.step()
+        sched.step()
+
+        totals = torch.cat([loss.detach().float().view(1), correct.float(), counted.float(),
+                            attention.sum().float().view(1)]).cpu()
+        if world > 1:
+            dist.all_reduce(totals)
+        k = args.ttt_steps
+        acc = (totals[1 : 1 + k] / totals[1 + k : 1 + 2 * k].clamp(min=1)).tolist()
+        tokens = int(totals[-1])
+        tokens_seen += tokens
+        metrics = {"step": step + 1, "epoch": epoch, "loss": round(totals[0].item() / world, 5),
+                   **{f"acc_{i}": round(a, 4) for i, a in enumerate(acc)},
+                   "sim_al": round(simulated_acceptance(acc), 4),
+                   "tokens_per_s": round(tokens / (time.monotonic() - step_t0), 1),
+                   "lr": sched.get_last_lr()[0], "tokens": tokens}
+        if writer:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        now = time.monotonic()
+        if now - last_print > PROGRESS_EVERY_S or step + 1 == total_steps:
+            last_print = now
+            rate = tokens_seen / (now - t0)
+            progress(stage="train", step=step + 1, steps=total_steps, epoch=epoch, loss=metrics["loss"],
+                     acc_0=metrics["acc_0"], sim_al=metrics["sim_al"], tok_s=round(rate, 1),
+                     lr=metrics["lr"], eta_s=round((total_steps - step - 1) * (now - t0) / (step + 1 - start_step)))
+        if writer and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
+            save_checkpoint(ckpt_path, step + 1, draft, opt, sched, vocab_ids, fp, metrics)
+
+    # Export.
+    if writer:
+        card = model_card(args, target, stats, V, len(vocab_ids), target.aux_layer_ids, total_steps, metrics)
+        export(draft, os.path.join(args.out, "draft"), dtype, card)
+    if world > 1:
+        dist.destroy_process_group()
+    progress(stage="done", steps=total_steps, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
+             sim_al=metrics.get("sim_al"), draft=os.path.join(args.out, "draft"))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Refused as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,232 @@
+"""remote/train.py and its parts, on the tiny target: rendering, target states, training, export, resume, DDP.
+
+Real parts only: the tiny model built by the project, a real vLLM for what the model emits,
+training as a subprocess. No speed is asserted (2 shared cores).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.fixtures_train import REMOTE, metrics, run_script, train, train_args
+
+sys.path.insert(0, str(REMOTE))
+from chat_render import ChatRenderer, normalise  # noqa: E402
+from draft_model import DraftConfig, Eagle3Draft, check_tensor_names, expected_tensor_names, export_tensors  # noqa: E402
+from target_states import OnlineTargetStates  # noqa: E402
+
+LAYER_NAMES = {
+    "fc.weight", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model):
+    return ChatRenderer.from_pretrained(str(tiny_model))
+
+
+def decode_masked(renderer, sample):
+    return renderer.tok.decode([t for t, m in zip(sample.ids, sample.mask) if m])
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_render_is_the_templates_own_text_with_loss_on_the_answer(renderer):
+    """Reasoning in the form the template writes it: the sample is the template's own rendering."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "\n\n2 + 3 = 5.", "reasoning": "\nAdd the ones: 2 + 3 = 5.\n"}]
+    template_chat = chat[:2] + [{"role": "assistant", "content": "2 + 3 = 5.", "reasoning": "Add the ones: 2 + 3 = 5."}]
+    [sample] = renderer.render(chat, max_len=4096)
+    full = renderer.tok.apply_chat_template(template_chat, tokenize=False)
+    prompt = renderer.tok.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True)
+    assert full.endswith("<|im_end|>\n")
+    assert renderer.tok.decode(sample.ids) == full[:-1]  # the model stops at <|im_end|>; the "\n" is the template's
+    assert decode_masked(renderer, sample) == full[len(prompt):-1]
+    assert sample.mask == sorted(sample.mask)  # prompt 0s, then answer 1s
+    assert len(renderer.render(chat, max_len=10)[0].ids) == 10  # cut, never wrapped
+
+
+def test_render_multi_turn_uses_the_history_the_client_sent(renderer):
+    """Turn 2's context holds turn 1 as content only (what generate sends back): its own sample."""
+    chat = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "\n\nA1", "reasoning": "\nR1\n"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "\n\nA2", "reasoning": "\nR2\n"}]
+    first, second = renderer.render(chat, max_len=4096)
+    assert renderer.tok.decode(second.ids) == (
+        "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n\n\nA1<|im_end|>\n"
+        "<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\nR2\n</think>\n\nA2<|im_end|>")
+    assert decode_masked(renderer, first) == "<think>\nR1\n</think>\n\nA1<|im_end|>"
+    assert decode_masked(renderer, second) == "<think>\nR2\n</think>\n\nA2<|im_end|>"
+
+
+def test_render_keeps_unclosed_thinking_and_truncation_as_emitted(renderer):
+    chat = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": None, "reasoning": "\nhalf"}]
+    [stopped] = renderer.render(chat, 4096)
+    [cut] = renderer.render(chat, 4096, ended=[False])
+    assert decode_masked(renderer, stopped) == "<think>\nhalf<|im_end|>"
+    assert decode_masked(renderer, cut) == "<think>\nhalf"
+
+
+def test_render_reproduces_the_tokens_the_model_emitted(renderer, vllm_server):
+    """The chat API's reasoning + content, rendered, are exactly the token ids vLLM generated."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=vllm_server.base_url + "/v1", api_key="x")
+    for question in ("What is 17 + 25?", "Reverse the word 'garden'.", "Is 48 even or odd?"):
+        messages = [{"role": "user", "content": question}]
+        chat = client.chat.completions.create(model=vllm_server.model, messages=messages, temperature=0, max_tokens=300)
+        message = chat.choices[0].message
+        assert chat.choices[0].finish_reason == "stop"
+        record = {"messages": messages + [{"role": "assistant", "content": message.content,
+                                           "reasoning": message.model_extra["reasoning"]}]}
+        [sample] = renderer.render(normalise(record), max_len=4096)
+
+        prompt = renderer.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        raw = client.completions.create(model=vllm_server.model, prompt=prompt, temperature=0, max_tokens=300,
+                                        extra_body={"return_token_ids": True})
+        prompt_ids, output_ids = raw.choices[0].model_extra["prompt_token_ids"], raw.choices[0].model_extra["token_ids"]
+        assert sample.ids == prompt_ids + output_ids
+        assert sample.mask == [0] * len(prompt_ids) + [1] * len(output_ids)
+
+
+# ---------------------------------------------------------------- target states
+
+
+def test_aux_states_are_the_inputs_of_layers_in_vllm_convention(tiny_model):
+    """id k = the residual stream entering layer k (HF hidden_states[k]); id L = the last layer's
+    output before the final norm (HF's hidden_states[L] is after it). Shifted ids would fail here."""
+    target = OnlineTargetStates(str(tiny_model), None, torch.device("cpu"), torch.float32)
+    L = target.config.num_hidden_layers
+    assert L == 2 and target.aux_layer_ids == [0, 1, 2]  # the issue's ids for the 2-layer target
+    ids = torch.tensor([[1, 276, 201, 325, 264, 364, 294, 283, 18, 33, 2, 201, 1, 275, 201, 510]])
+    states = target.states(ids, torch.ones_like(ids), [0])
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    hs, H = out.hidden_states, target.config.hidden_size
+    blocks = states.aux.split(H, dim=-1)
+    for k in range(L):
+        torch.testing.assert_close(blocks[k], hs[k], rtol=0, atol=0)
+        assert not torch.allclose(blocks[k], hs[k + 1], atol=1e-3)  # an off-by-one would match these
+    torch.testing.assert_close(blocks[L], states.last, rtol=0, atol=0)
+    assert not torch.allclose(blocks[L], hs[L], atol=1e-3)  # pre-norm, unlike HF's last entry
+    torch.testing.assert_close(target.model.base_model.norm(blocks[L]), hs[L])
+    torch.testing.assert_close(target.logits(states.last), out.logits)
+
+
+# ---------------------------------------------------------------- training and export
+
+
+def test_training_loss_falls_and_first_position_accuracy_rises(trained_run):
+    rows = metrics(trained_run)
+    assert len(rows) == 300 and [r["step"] for r in rows] == list(range(1, 301))
+    head, tail = rows[:10], rows[-10:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(tail, "loss") < 0.5 * mean(head, "loss")
+    assert mean(tail, "acc_0") > mean(head, "acc_0") + 0.3
+    assert {"acc_0", "acc_1", "acc_2", "sim_al", "tokens_per_s", "lr"} <= set(rows[-1])
+
+
+def test_export_is_exactly_what_vllm_loads(trained_run, tiny_model):
+    draft = trained_run / "draft"
+    tensors = load_file(draft / "model.safetensors")
+    assert set(tensors) == LAYER_NAMES  # full vocab: no d2t/t2d (vLLM rejects d2t then)
+    config = json.loads((draft / "config.json").read_text())
+    target = json.loads((tiny_model / "config.json").read_text())
+    H, V = target["hidden_size"], target["vocab_size"]
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert config["max_position_embeddings"] == target["max_position_embeddings"]
+    assert (config["vocab_size"], config["draft_vocab_size"], config["num_hidden_layers"]) == (V, V, 1)
+    assert tensors["fc.weight"].shape == (H, 3 * H)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (target["num_attention_heads"] * target["head_dim"], 2 * H)
+    assert tensors["lm_head.weight"].shape == (V, H)
+    card = (draft / "README.md").read_text()
+    assert str(tiny_model) in card and "| steps | 300 " in card and "simulated acceptance length" in card
+
+
+def test_exporter_refuses_any_other_tensor_set():
+    c = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                    vocab_size=100, draft_vocab_size=40, aux_layer_ids=[0, 1, 2], max_position_embeddings=256)
+    assert expected_tensor_names(c) == LAYER_NAMES | {"d2t", "t2d"}
+    draft = Eagle3Draft(c, torch.randn(100, 32), torch.arange(0, 80, 2))
+    tensors = export_tensors(draft, torch.float32)
+    assert torch.equal(tensors["d2t"] + torch.arange(40), torch.arange(0, 80, 2))
+    assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].sum() == 40
+    with pytest.raises(ValueError, match="missing.*d2t"):
+        check_tensor_names(LAYER_NAMES, c)
+    with pytest.raises(ValueError, match="unexpected.*embed_tokens"):
+        check_tensor_names(set(tensors) | {"embed_tokens.weight"}, c)
+    draft.extra = torch.nn.Linear(2, 2)  # a module the vLLM class does not have
+    with pytest.raises(ValueError, match="unexpected.*extra.weight"):
+        export_tensors(draft, torch.float32)
+
+
+def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tiny_model, generated_data, tmp_path):
+    args = ["--steps", "60", "--save-every", "5", "--batch-tokens", "512"]
+    whole = train(tiny_model, generated_data, tmp_path / "whole", *args)
+
+    cut = tmp_path / "cut"
+    cut_args = train_args(tiny_model, generated_data, cut, *args)
+    proc = subprocess.Popen([sys.executable, str(REMOTE / "train.py"), *cut_args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (cut / "metrics.jsonl").exists() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 12:
+                break
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    interrupted_at = torch.load(cut / "checkpoint.pt", weights_only=False)["step"]
+    assert 10 <= interrupted_at < 60, "the run must be killed mid-way for this test to mean anything"
+    assert not (cut / "draft").exists()
+
+    run_script("train.py", *cut_args, "--resume")
+    a, b = load_file(whole / "draft" / "model.safetensors"), load_file(cut / "draft" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in metrics(whole)] == [r["loss"] for r in metrics(cut)]
+
+
+def test_torchrun_two_cpu_processes_train_and_export(tiny_model, generated_data, trained_run, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REMOTE / "train.py"), "--target", str(tiny_model), "--data", str(generated_data), "--out", str(out),
+           "--steps", "8", "--batch-tokens", "1024", "--ttt-steps", "3", "--lr", "1e-2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert max(r["tokens"] for r in rows) > 1024  # both ranks' batches counted: one rank holds <= 1024
+    assert result.stdout.count('"stage":"done"') == 1  # one rank reports
+    ddp = load_file(out / "draft" / "model.safetensors")
+    single = load_file(trained_run / "draft" / "model.safetensors")
+    assert {k: v.shape for k, v in ddp.items()} == {k: v.shape for k, v in single.items()}
+    assert json.loads((out / "draft" / "config.json").read_text()) == json.loads(
+        (trained_run / "draft" / "config.json").read_text())
+
+
+def test_bad_input_is_one_line_and_exit_2(tiny_model, generated_data, trained_run, tmp_path):
+    missing = run_script("train.py", "--target", tiny_model, "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "o",
+                         check=False)
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
+    assert "nope.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+    again = run_script("train.py", "--target", tiny_model, "--data", trained_run / "metrics.jsonl", "--out", trained_run,
+                       check=False)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    too_deep = run_script("train.py", "--target", tiny_model, "--data", generated_data, "--out", tmp_path / "o2",
+                          "--aux-layers", "0,1,3", check=False)
+    assert too_deep.returncode == 2 and "aux layer ids [0, 1, 3]" in too_deep.stderr
+    assert "Traceback" not in too_deep.stderr
