@@ -184,8 +184,9 @@ def served_model(base_url: str) -> str:
 
 
 def measure(base_url, prompts, args, spec: bool, label: str) -> list[dict]:
-    """One pass per temperature against one server."""
+    """One pass per temperature against one server, after one untimed warm-up request."""
     model = served_model(base_url)
+    asyncio.run(run_pass(base_url, model, prompts[:1], 0.0, 8, 1, args.timeout))
     runs = []
     for temperature in args.temperature:
         before = scrape(base_url) if spec else {}
@@ -270,13 +271,20 @@ def stop(proc):
             proc.wait()
 
 
+def measure_or_refuse(base_url, prompts, args, spec: bool, label: str, log_path=None):
+    """measure(), with a failed request turned into one line (and the server log's tail when it is ours)."""
+    from openai import APIError
+
+    try:
+        return measure(base_url, prompts, args, spec, label)
+    except (APIError, OSError, ValueError, KeyError, IndexError) as e:
+        where = f"; server log {log_path}, tail:\n{log_tail(log_path)}" if log_path else ""
+        raise Refused(f"{label} pass against {base_url} failed ({type(e).__name__}: {e}){where}") from None
+
+
 def measure_started(args, prompts, speculative, label, workdir):
     with started_server(args, speculative, workdir) as (base_url, proc, log_path):
-        try:
-            return measure(base_url, prompts, args, bool(speculative), label)
-        except Exception as e:  # a request failed: the engine's log says why
-            raise Refused(f"{label} pass failed ({type(e).__name__}: {e}); server log {log_path}, "
-                          f"tail:\n{log_tail(log_path)}") from None
+        return measure_or_refuse(base_url, prompts, args, bool(speculative), label, log_path)
 
 
 # ---------------------------------------------------------------- report
@@ -313,10 +321,11 @@ def main(argv=None):
     args.n_sent = len(prompts)
     if args.endpoint:
         base = args.endpoint.rstrip("/").removesuffix("/v1")
-        spec_runs = measure(base, prompts, args, True, "draft")
+        spec_runs = measure_or_refuse(base, prompts, args, True, "draft")
         base_runs = None
         if args.baseline_endpoint and not args.no_baseline:
-            base_runs = measure(args.baseline_endpoint.rstrip("/").removesuffix("/v1"), prompts, args, False, "baseline")
+            baseline = args.baseline_endpoint.rstrip("/").removesuffix("/v1")
+            base_runs = measure_or_refuse(baseline, prompts, args, False, "baseline")
     else:
         if not os.path.isfile(os.path.join(args.draft, "config.json")):
             raise Refused(f"{args.draft}: not a draft directory (no config.json)")

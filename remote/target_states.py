@@ -9,9 +9,10 @@ embedding table the draft shares with the target.
 
 `OnlineTargetStates` runs the frozen target (transformers) on each batch: no
 state dumps on disk. A second source (states precomputed by vLLM into shards,
-for targets transformers cannot hold) implements the same three methods.
+for targets transformers cannot hold) implements the same `TargetStates`.
 """
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -20,6 +21,20 @@ import torch
 class TargetBatch:
     aux: torch.Tensor  # [B, T, 3H] the aux states, ascending ids, concatenated as vLLM's fc reads them
     last: torch.Tensor  # [B, T, H] id L: the last layer's output, before the final norm
+
+
+class TargetStates(Protocol):
+    config: object  # the target's transformers (text) config: sizes, vocab, RoPE, max positions
+    aux_layer_ids: list[int]
+
+    def embeddings(self) -> torch.Tensor:
+        """[V, H] the target's token embeddings (the draft shares them, frozen)."""
+
+    def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sample_index: list[int]) -> TargetBatch:
+        """The states of a right-padded batch [B, T] whose rows are samples `sample_index`."""
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] the target's next-token logits from the id-L state."""
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from chat_render import ChatRenderer, Sample, data_files, render_records
 from draft_model import DraftConfig, Eagle3Draft, export
-from target_states import OnlineTargetStates
+from target_states import OnlineTargetStates, TargetStates
 
 PROGRESS_EVERY_S = 5.0
 
@@ -305,7 +305,7 @@ def main(argv=None):
 
     # Target: frozen, online.
     try:
-        target = OnlineTargetStates(args.target, args.aux_layers, device, dtype)
+        target: TargetStates = OnlineTargetStates(args.target, args.aux_layers, device, dtype)
     except (OSError, ValueError) as e:
         raise Refused(str(e)) from None
     V = target.config.vocab_size
