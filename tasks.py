@@ -5,7 +5,9 @@ import specops.deps
 import specops.service
 import specops.tunnel
 from specops import artifacts, demo as demo_mod, facts, fanout, jobs, runs, watch
-from specops.cli import HOST_HELP, remainder, select_hosts, task
+from specops.cli import HOST_HELP, allow_double_dash_single_letter_flags, remainder, select_hosts, task
+
+allow_double_dash_single_letter_flags()  # `inv generate --n 10000`, `inv eval --k 3`
 
 
 @task(help={**HOST_HELP, "json": "print JSON instead of a table"})
@@ -68,13 +70,15 @@ def pull(c, run=None, on=None, inventory=None, dest="artifacts"):
             "status": "state, pid, uptime, model, /health, requests running",
             "logs": "print the service log (journalctl or the tmux log)",
             "follow": "with --logs: keep printing until Ctrl-C (which never stops the service)",
-            "lines": "with --logs: how many last lines", "json": "print JSON instead of a table"})
+            "lines": "with --logs: how many last lines", "json": "print JSON instead of a table",
+            "extract": "extraction mode: vLLM also writes the trainer's aux + last layer states (for `inv extract`)",
+            "layers": "with --extract: aux layer ids a,b,c in vLLM's convention (default: the trainer's)"})
 def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, supervisor=None, stop=False,
-          status=False, logs=False, follow=False, lines=100, json=False):
+          status=False, logs=False, follow=False, lines=100, json=False, extract=False, layers=None):
     """Run vLLM as a supervised service (systemd, or tmux where there is none); idempotent."""
     return specops.service.run(select_hosts(c, inventory, on), wait=wait, timeout=timeout, restart=restart,
                                supervisor=supervisor, stop_service=stop, show_status=status, show_logs=logs,
-                               follow=follow, lines=lines, as_json=json)
+                               follow=follow, lines=lines, as_json=json, extract=extract, layers=layers)
 
 
 @task(help={"on": "the host whose vLLM to reach", "inventory": HOST_HELP["inventory"],
@@ -105,16 +109,34 @@ def generate(c, n=None, on=None, inventory=None, dataset=None, name=None, resume
 @task(iterable=["data"],
       help={**HOST_HELP, **RUN_NAME_HELP, "data": "generate run id (or data.jsonl path on the host); repeatable",
             "steps": "optimizer steps", "epochs": "passes over the data (default 1)",
-            "gpus": "processes per host for torchrun (multi-GPU / multi-node)"})
+            "gpus": "processes per host for torchrun (multi-GPU / multi-node)",
+            "states": "extract run id (or shard directory on the host): train from vLLM's states, not the model",
+            "stream": "with --states: consume shards while the extraction writes them, deleting each after use"})
 def train(c, data=None, on=None, inventory=None, steps=None, epochs=None, gpus=0, name=None, resume=False,
-          follow=False):
+          follow=False, states=None, stream=False):
     """Train an EAGLE-3 draft for the host's model (a detached run; exports <run>/draft for vLLM).
 
     Extra flags for remote/train.py go after `--`, e.g. `-- --draft-vocab 32000 --lr 1e-4`.
     """
     hosts = select_hosts(c, inventory, on)
     return jobs.train(hosts, data=data, steps=steps, epochs=epochs, gpus=int(gpus), name=name, resume=resume,
-                      follow=follow, extra=remainder(), on=on)[1]
+                      follow=follow, extra=remainder(), on=on, states=states, stream=stream)[1]
+
+
+@task(iterable=["data"],
+      help={**HOST_HELP, **RUN_NAME_HELP, "data": "generate run id (or data.jsonl path on the host); repeatable",
+            "layers": "aux layer ids a,b,c in vLLM's convention (default: the trainer's); as for serve --extract",
+            "scratch_gb": "disk budget for the shards in GB: refused up front if the states need more",
+            "stream": "a `train --states RUN --stream` consumes the shards; pause while the budget is full"})
+def extract(c, data=None, on=None, inventory=None, layers=None, scratch_gb=None, stream=False, name=None,
+            resume=False, follow=False):
+    """Target hidden states from the host's vLLM (`inv serve --extract`) packed into shards for `train --states`.
+
+    Extra flags for remote/extract.py go after `--`, e.g. `-- --concurrency 32 --shard-mb 4096`.
+    """
+    hosts = select_hosts(c, inventory, on)
+    return jobs.extract(hosts, data=data, layers=layers, scratch_gb=float(scratch_gb) if scratch_gb else None,
+                        stream=stream, name=name, resume=resume, follow=follow, extra=remainder(), on=on)[1]
 
 
 @task(name="eval", help={**HOST_HELP, "draft": "train run id (or a draft directory on the host)",

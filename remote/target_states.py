@@ -8,8 +8,9 @@ the id-L state. A `TargetStates` source provides both, plus the frozen
 embedding table the draft shares with the target.
 
 `OnlineTargetStates` runs the frozen target (transformers) on each batch: no
-state dumps on disk. A second source (states precomputed by vLLM into shards,
-for targets transformers cannot hold) implements the same `TargetStates`.
+state dumps on disk. `shard_states.ShardTargetStates` (states precomputed by
+vLLM into shards by remote/extract.py, for targets transformers cannot hold)
+implements the same `TargetStates`.
 """
 from dataclasses import dataclass
 from typing import Protocol

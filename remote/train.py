@@ -3,11 +3,13 @@
 
     python remote/train.py --target PATH --data FILE_OR_DIR [--data ...] --out DIR [options]
     torchrun --nproc-per-node 2 remote/train.py ...   (DDP; each rank trains on its slice of the batches)
+    python remote/train.py ... --states DIR [--stream]  (states vLLM computed: remote/extract.py)
 
 Reads top to bottom: data (conversations rendered with the target's own chat
 template, draft vocabulary), target states (the frozen target run online on
-each batch), draft, optimizer, the loop (training-time-test loss, metrics,
-checkpoints), export.
+each batch, or with --states the shards vLLM wrote plus the target's head
+alone: shard_states.py), draft, optimizer, the loop (training-time-test loss,
+metrics, checkpoints), export.
 
 Writes only under --out: metrics.jsonl (one line per step), checkpoint.pt
 (draft, optimizer, scheduler, RNG, step: `--resume` continues with the same
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from chat_render import ChatRenderer, Sample, data_files, render_records
 from draft_model import DraftConfig, Eagle3Draft, export
+from shard_states import ShardTargetStates
 from target_states import OnlineTargetStates, TargetStates
 
 PROGRESS_EVERY_S = 5.0
@@ -65,6 +68,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on cuda, else fp32")
     ap.add_argument("--include-truncated", action="store_true", help="train on rows that hit max_tokens too")
+    ap.add_argument("--states", help="target states from vLLM's shards in this directory (remote/extract.py --out) "
+                                     "instead of running the target; --target then only supplies its head")
+    ap.add_argument("--stream", action="store_true", help="with --states: train on shards as extraction writes "
+                                                          "them, deleting each after its last use")
     args = ap.parse_args(argv)
     for name in ("draft_vocab", "ttt_steps", "max_len", "batch_tokens", "save_every"):
         if getattr(args, name) < 1:
@@ -73,6 +80,8 @@ def parse_args(argv=None):
         ap.error("--steps/--epochs must be positive")
     if not 0 <= args.warmup < 1:
         ap.error("--warmup is a fraction in [0, 1)")
+    if args.stream and (not args.states or args.steps or (args.epochs or 1) != int(args.epochs or 1)):
+        ap.error("--stream goes with --states and whole --epochs (not --steps): each shard is read epochs times")
     if args.aux_layers:
         try:
             args.aux_layers = [int(x) for x in args.aux_layers.split(",")]
@@ -303,20 +312,34 @@ def main(argv=None):
         raise Refused(f"no trainable samples in {args.data} ({stats})")
     progress(stage="data", **stats)
 
-    # Target: frozen, online.
+    # Target: frozen, online; or its states precomputed by vLLM (remote/extract.py) and its head alone.
+    if args.stream and world > 1:
+        raise Refused("--stream trains on one process: drop torchrun, or train from finished shards")
+    lengths = [len(s.ids) for s in samples]
+    stream = None  # --stream: the order in which shards arrive, are trained on and deleted
     try:
-        target: TargetStates = OnlineTargetStates(args.target, args.aux_layers, device, dtype)
+        target: TargetStates
+        if args.states:
+            target = ShardTargetStates(args.target, args.states, args.aux_layers, samples, device, dtype,
+                                       stream=args.stream)
+            if args.stream:
+                stream = target.stream_schedule(lengths, args.batch_tokens, args.seed, int(args.epochs or 1))
+        else:
+            target = OnlineTargetStates(args.target, args.aux_layers, device, dtype)
     except (OSError, ValueError) as e:
         raise Refused(str(e)) from None
     V = target.config.vocab_size
-    lengths = [len(s.ids) for s in samples]
-    if args.steps:
+    if stream:
+        total_steps = stream.total_steps
+    elif args.steps:
         total_steps = args.steps
     else:
         total_steps = steps_in_epochs(lengths, args.batch_tokens, args.seed, world, args.epochs or 1)
     if total_steps < 1:
         raise Refused(f"{len(samples)} samples make fewer batches than ranks ({world}): lower --batch-tokens")
     fp = fingerprint(args, world, target.aux_layer_ids, total_steps)
+    if args.states:
+        fp.update(states=os.path.abspath(args.states), stream=args.stream)
 
     # Draft.
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if args.resume and os.path.exists(ckpt_path) else None
@@ -358,9 +381,12 @@ def main(argv=None):
     model = torch.nn.parallel.DistributedDataParallel(draft) if world > 1 else draft
 
     # Loop.
-    batches = rank_batches(lengths, args.batch_tokens, args.seed, rank, world)
-    for _ in range(start_step):
-        next(batches)
+    if stream:
+        batches = stream.batches(start_step)
+    else:
+        batches = rank_batches(lengths, args.batch_tokens, args.seed, rank, world)
+        for _ in range(start_step):
+            next(batches)
     pad_id = renderer.tok.pad_token_id if renderer.tok.pad_token_id is not None else 0
     t0 = last_print = time.monotonic()
     tokens_seen = 0
@@ -385,18 +411,18 @@ def main(argv=None):
         sched.step()
 
         totals = torch.cat([loss.detach().float().view(1), correct.float(), counted.float(),
-                            attention.sum().float().view(1)]).cpu()
+                            attention.sum().float().view(1), torch.tensor([float(len(index))], device=device)]).cpu()
         if world > 1:
             dist.all_reduce(totals)
         k = args.ttt_steps
         acc = (totals[1 : 1 + k] / totals[1 + k : 1 + 2 * k].clamp(min=1)).tolist()
-        tokens = int(totals[-1])
+        tokens, batch_samples = int(totals[-2]), int(totals[-1])
         tokens_seen += tokens
         metrics = {"step": step + 1, "epoch": epoch, "loss": round(totals[0].item() / world, 5),
                    **{f"acc_{i}": round(a, 4) for i, a in enumerate(acc)},
                    "sim_al": round(simulated_acceptance(acc), 4),
                    "tokens_per_s": round(tokens / (time.monotonic() - step_t0), 1),
-                   "lr": sched.get_last_lr()[0], "tokens": tokens}
+                   "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}
         if writer:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -407,8 +433,11 @@ def main(argv=None):
             progress(stage="train", step=step + 1, steps=total_steps, epoch=epoch, loss=metrics["loss"],
                      acc_0=metrics["acc_0"], sim_al=metrics["sim_al"], tok_s=round(rate, 1),
                      lr=metrics["lr"], eta_s=round((total_steps - step - 1) * (now - t0) / (step + 1 - start_step)))
-        if writer and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
+        shard_done = stream is not None and stream.checkpoint_due(step + 1)  # its shard may go after a save
+        if writer and ((step + 1) % args.save_every == 0 or step + 1 == total_steps or shard_done):
             save_checkpoint(ckpt_path, step + 1, draft, opt, sched, vocab_ids, fp, metrics)
+            if stream:
+                stream.saved(step + 1)
 
     # Export.
     if writer:

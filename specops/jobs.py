@@ -1,21 +1,24 @@
-"""`inv generate`, `inv train`, `inv eval`: the GPU work, launched on hosts as detached runs.
+"""`inv generate`, `inv extract`, `inv train`, `inv eval`: the GPU work, launched on hosts as detached runs.
 
 Each job is an argv for a script in ``remote/`` (deployed to ``<workdir>/code``), built per
 host from its inventory settings and started through :mod:`specops.runs`, so every job has
 the same run directory, logs, status, stop and pull. A run's outputs land in its run
 directory (``--out .``), which is how a later job names them: ``inv train --data RUN``
-reads ``runs/RUN/data.jsonl``; ``inv eval --draft RUN`` loads ``runs/RUN/draft``.
+reads ``runs/RUN/data.jsonl``; ``inv train --states RUN`` reads the shards of an extract run;
+``inv eval --draft RUN`` loads ``runs/RUN/draft``.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from . import artifacts, fanout, runs, service, watch
 from .errors import SpecopsError
-from .host import Session
+from .host import Session, quote
+from .servicefiles import Layout
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 TORCHRUN_PORT = 29517
@@ -71,8 +74,11 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
         return a + (["--n", str(n)] if n else [])
 
     def preflight(session: Session) -> dict:
-        r = session.run(script(session, "generate.py") + args(session) + ["--out", "/nonexistent", "--check"],
-                        check=False, timeout=300)
+        # like the run itself, read the key from the service's env file (never a command line)
+        argv = script(session, "generate.py") + args(session) + ["--out", "/nonexistent", "--check"]
+        env_file = Layout(session.workdir).env_file
+        r = session.sh(f"set -a; [ -r {quote(env_file)} ] && . {quote(env_file)}; set +a; exec {shlex.join(argv)}",
+                       check=False, timeout=300)
         if not r.ok:
             why = (r.stderr.strip() or r.stdout.strip() or f"exit {r.exit_code}").splitlines()[-1]
             raise SpecopsError(f"{session.host.name}: not ready to generate: {why}")
@@ -88,19 +94,53 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
     return run_id, rc
 
 
+# ---------------------------------------------------------------- extract
+
+def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=None, resume=False, follow=False,
+            extra=(), on=None, out=None) -> tuple[str | None, int]:
+    """Target hidden states from the host's own vLLM (served with ``inv serve --extract``) into shards.
+
+    Runs on the serving host: vLLM writes per-request files there, which the run packs and removes.
+    """
+    if not data:
+        raise SpecopsError("--data RUN (a generate run id) or a data.jsonl path is required", exit_code=2)
+    if len(hosts) != 1:
+        raise SpecopsError(f"extract runs on one serving host; --on selects {len(hosts)}", exit_code=2)
+
+    def argv(session: Session, index: int, count: int) -> list[str]:
+        a = ["--endpoint", endpoint_url(session), "--model", service.served_name(session),
+             "--target", model_path(session), "--out", "."]
+        for d in data:
+            a += ["--data", run_output(session, d, "data.jsonl")]
+        a += (["--layers", layers] if layers else []) + (["--scratch-gb", str(scratch_gb)] if scratch_gb else [])
+        return script(session, "extract.py") + a + (["--stream"] if stream else []) + list(extra)
+
+    run_id, rc = runs.launch_on(hosts, "extract", argv, name=name, resume=resume, on=on, out=out)
+    if rc == 0 and follow:
+        rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
+    return run_id, rc
+
+
 # ---------------------------------------------------------------- train
 
 def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, follow=False, gpus=0, extra=(),
-          on=None, out=None) -> tuple[str | None, int]:
-    """One training run; several hosts = one torchrun job across them (rank i = host i)."""
+          on=None, out=None, states=None, stream=False) -> tuple[str | None, int]:
+    """One training run; several hosts = one torchrun job across them (rank i = host i).
+
+    ``states``: an extract run (or a directory on the host) whose shards replace the online
+    target; ``stream``: consume them while the extraction is still writing them."""
     if not data:
         raise SpecopsError("--data RUN (a generate run id) or a data.jsonl path is required", exit_code=2)
+    if stream and not states:
+        raise SpecopsError("--stream goes with --states EXTRACT_RUN", exit_code=2)
     master = hosts[0].address if not hosts[0].is_local else "127.0.0.1"
 
     def argv(session: Session, index: int, count: int) -> list[str]:
         a = ["--target", model_path(session), "--out", "."]
         for d in data:
             a += ["--data", run_output(session, d, "data.jsonl")]
+        if states:
+            a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
         a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
         if count == 1 and not gpus:
             return script(session, "train.py") + a + list(extra)

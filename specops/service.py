@@ -25,7 +25,7 @@ from . import secrets as secrets_mod
 from .errors import SpecopsError
 from .host import Session, connect
 from .progress import Display, Startup
-from .servicefiles import LOOPBACK, Layout, Policy, render
+from .servicefiles import LOOPBACK, Extraction, Layout, Policy, render
 from .supervisors import choose, host_facts
 
 PROBE_SOURCE = (Path(__file__).resolve().parent.parent / "remote" / "service_probe.py").read_text()
@@ -34,8 +34,10 @@ TAIL_LINES = 50
 
 def serve(session: Session, *, supervisor: str | None = None, restart: bool = False, wait: bool = False,
           timeout: float = 3600, secrets: dict[str, str], policy: Policy = Policy(), live: bool | None = None,
-          out=None) -> dict:
-    """Bring the host's vLLM service to the rendered state; with ``wait``, until it serves."""
+          out=None, extract: bool = False, layers: str | None = None) -> dict:
+    """Bring the host's vLLM service to the rendered state; with ``wait``, until it serves.
+
+    ``extract``: serve in extraction mode (hidden states of the trainer's layers, or ``layers``)."""
     started = time.monotonic()
     host, layout = session.host, Layout(session.workdir)
     if not host.model:
@@ -43,7 +45,8 @@ def serve(session: Session, *, supervisor: str | None = None, restart: bool = Fa
     facts = host_facts(session, layout)
     sup = choose(session, facts, layout, supervisor, policy)
     rendered = render(host, workdir=session.workdir, user=facts.user, venv_python=session.venv_python,
-                      model=session.path(host.model), secrets=secrets, policy=policy)
+                      model=session.path(host.model), secrets=secrets, policy=policy,
+                      extract=extraction(session, layers) if extract else None)
     if facts.last and facts.last != sup.name:
         _stop_previous(session, facts, layout, policy, out)
     changed = sup.write(rendered)
@@ -57,6 +60,20 @@ def serve(session: Session, *, supervisor: str | None = None, restart: bool = Fa
     if wait:
         row.update(wait_ready(session, sup, timeout=timeout, secrets=secrets, started=started, live=live, out=out))
     return row
+
+
+def extraction(session: Session, layers: str | None) -> Extraction:
+    """The layers to extract for the host's model, by the rule the trainer uses (remote/extract.py
+    asks remote/target_states.py), so the ids vLLM writes are the ids the draft config gets."""
+    host = session.host
+    argv = [session.venv_python, f"{session.workdir}/code/remote/extract.py", "--target", session.path(host.model),
+            "--print-layers"] + (["--layers", layers] if layers else [])
+    r = session.run(argv, check=False, timeout=300)
+    if not r.ok:
+        why = (r.stderr.strip() or r.stdout.strip() or f"exit {r.exit_code}").splitlines()[-1]
+        raise SpecopsError(f"{host.name}: --extract: {why}", exit_code=2)
+    ids = json.loads(r.stdout.strip().splitlines()[-1])["layers"]
+    return Extraction(tuple(ids), Layout(session.workdir).states_dir, f"{session.workdir}/code")
 
 
 def _stop_previous(session, facts, layout, policy, out) -> None:
@@ -214,12 +231,15 @@ class Redacting(io.TextIOBase):
 
 
 def run(hosts, *, wait=False, timeout=3600.0, restart=False, supervisor=None, stop_service=False,
-        show_status=False, show_logs=False, follow=False, lines=100, as_json=False) -> int:
+        show_status=False, show_logs=False, follow=False, lines=100, as_json=False, extract=False,
+        layers=None) -> int:
     """`inv serve` on the selected hosts, in parallel, one result row each; the exit code."""
     if sum([stop_service, show_status, show_logs]) > 1:
         raise SpecopsError("choose one of --stop, --status, --logs", exit_code=2)
     if follow and not show_logs:
         raise SpecopsError("--follow goes with --logs", exit_code=2)
+    if layers and not extract:
+        raise SpecopsError("--layers goes with --extract", exit_code=2)
     if supervisor not in (None, "systemd", "tmux"):
         raise SpecopsError(f"--supervisor {supervisor!r}: expected systemd or tmux", exit_code=2)
     if show_logs:
@@ -231,7 +251,8 @@ def run(hosts, *, wait=False, timeout=3600.0, restart=False, supervisor=None, st
     secrets = secrets_mod.load()
     live = None if len(hosts) == 1 else False  # one updating line only makes sense for one host
     return fanout.report(fanout.each(hosts, serve, supervisor=supervisor, restart=restart, wait=wait,
-                                     timeout=timeout, secrets=secrets, live=live), as_json=as_json)
+                                     timeout=timeout, secrets=secrets, live=live, extract=extract, layers=layers),
+                         as_json=as_json)
 
 
 def _logs_on(hosts, *, supervisor, lines, follow) -> int:

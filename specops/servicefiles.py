@@ -6,6 +6,10 @@ same :class:`Policy` (restart limits, stop timeout). Rendering is pure: the call
 supplies what only the host knows (absolute workdir, login user), so the templates can
 be checked with ``systemd-analyze verify`` without any host.
 
+With an :class:`Extraction` (``inv serve --extract``), vLLM also writes the target's hidden
+states of the given layers for every request (the `extract_hidden_states` speculative method
+and the hidden-states connector), which ``remote/extract.py`` packs for the trainer.
+
 Secrets (VLLM_API_KEY, HF_TOKEN) go only into the env file; vLLM reads VLLM_API_KEY
 from its environment, so the key is never an argument. A non-loopback ``bind`` without
 an API key is refused: specops never exposes an unauthenticated port.
@@ -13,6 +17,7 @@ an API key is refused: specops never exposes an unauthenticated port.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -63,6 +68,29 @@ class Layout:
     state_file = property(lambda self: f"{self.dir}/state")
     staged_unit = property(lambda self: f"{self.dir}/{UNIT_NAME}")  # copied to UNIT_PATH by `install`
     marker = property(lambda self: f"{self.dir}/supervisor")  # which supervisor `inv serve` used last
+    states_dir = property(lambda self: f"{self.dir}/hidden_states")  # `--extract`: per-request state files
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """vLLM writes the hidden states of ``layers`` (vLLM's ids, ascending, the aux ids + L) to ``storage``."""
+
+    layers: tuple[int, ...]
+    storage: str
+    code_dir: str  # <workdir>/code: cpu hosts import the project's connector from its remote/
+
+    def configs(self, flavor: str) -> dict:
+        """The speculative and kv-transfer configs (as remote/extract.py builds them for the offline API)."""
+        connector = ({"kv_connector": "CpuHiddenStatesConnector",  # the stock one needs CUDA
+                      "kv_connector_module_path": "cpu_hidden_states_connector"}
+                     if flavor == "cpu" else {"kv_connector": "ExampleHiddenStatesConnector"})
+        return {
+            "--speculative-config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                     "draft_model_config": {"hf_config": {
+                                         "eagle_aux_hidden_state_layer_ids": list(self.layers)}}},
+            "--kv-transfer-config": {**connector, "kv_role": "kv_producer",
+                                     "kv_connector_extra_config": {"shared_storage_path": self.storage}},
+        }
 
 
 @dataclass(frozen=True)
@@ -74,13 +102,15 @@ class Rendered:
     script: str
 
 
-def vllm_argv(host, *, venv_python: str, model: str) -> list[str]:
+def vllm_argv(host, *, venv_python: str, model: str, extract: Extraction | None = None) -> list[str]:
     """The vLLM server command line for ``host`` (gpu: ``vllm serve``; cpu: the api_server module)."""
     for i, arg in enumerate(host.vllm_args):
         flag = str(arg).split("=", 1)[0]
         if flag in FLAGS_OWNED_BY_INVENTORY:
             raise SpecopsError(f"{host.name}: vllm_args must not contain {flag}; "
                                f"set it through {FLAGS_OWNED_BY_INVENTORY[flag]} instead")
+        if extract and flag in ("--speculative-config", "--kv-transfer-config"):
+            raise SpecopsError(f"{host.name}: vllm_args sets {flag}, which --extract needs for itself")
     if host.flavor == "cpu":
         argv = [venv_python, "-m", CPU_ENTRYPOINT, "--model", model]
     else:
@@ -92,10 +122,12 @@ def vllm_argv(host, *, venv_python: str, model: str) -> list[str]:
         argv += ["--max-model-len", str(host.max_model_len)]
     if host.reasoning_parser:
         argv += ["--reasoning-parser", host.reasoning_parser]
+    if extract:
+        argv += [a for flag, config in extract.configs(host.flavor).items() for a in (flag, json.dumps(config))]
     return argv + [str(a) for a in host.vllm_args]
 
 
-def environment(host, secrets: dict[str, str], policy: Policy) -> dict[str, str]:
+def environment(host, secrets: dict[str, str], policy: Policy, extract: Extraction | None = None) -> dict[str, str]:
     """vLLM's environment: production defaults < the inventory's ``env`` < the secrets."""
     env = {
         "PYTHONUNBUFFERED": "1",  # or the log (and the progress display) lags by a buffer
@@ -103,6 +135,11 @@ def environment(host, secrets: dict[str, str], policy: Policy) -> dict[str, str]
         "HF_HUB_OFFLINE": "1",  # `model` is always a local path (inventory rule): never stall on the hub
         "VLLM_NO_USAGE_STATS": "1",
     }
+    if extract:
+        # Runs source this file too: an extraction learns which layers the server writes.
+        env["SPECOPS_EXTRACT_LAYERS"] = ",".join(map(str, extract.layers))
+        if host.flavor == "cpu":
+            env["PYTHONPATH"] = f"{extract.code_dir}/remote"  # vLLM's worker imports the connector from there
     if host.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = host.gpus
     for name, value in host.env.items():
@@ -120,11 +157,11 @@ def environment(host, secrets: dict[str, str], policy: Policy) -> dict[str, str]
 
 
 def render(host, *, workdir: str, user: str, venv_python: str, model: str,
-           secrets: dict[str, str], policy: Policy = Policy()) -> Rendered:
+           secrets: dict[str, str], policy: Policy = Policy(), extract: Extraction | None = None) -> Rendered:
     """Render the unit, env file and tmux script for ``host``; SpecopsError on unsafe input."""
     layout = Layout(workdir)
-    argv = vllm_argv(host, venv_python=venv_python, model=model)
-    env = environment(host, secrets, policy)
+    argv = vllm_argv(host, venv_python=venv_python, model=model, extract=extract)
+    env = environment(host, secrets, policy, extract)
     values = dict(host=host.name, unit=UNIT_NAME, user=user, layout=layout, argv=argv,
                   environment=env, policy=policy, served=host.served_model_name or model)
     return Rendered(argv, env, *(_jinja().get_template(name).render(values)

@@ -34,7 +34,8 @@ ML_SUDOERS = Path("/etc/sudoers.d/specops-ml")
 ML_SUDO_RULE = f"{ML_USER} ALL=(root) NOPASSWD: /usr/bin/systemctl, /usr/bin/journalctl, /usr/bin/install\n"
 SUBNET = "10.231"  # 10.231.K.0/24 per bed; private to this sandbox
 LOCK = "/run/lock/specops-hostbed.lock"
-SSHD = "/usr/sbin/sshd"  # sshd re-executes itself and needs an absolute path
+SSHD = "/usr/sbin/sshd"
+REPO = Path(__file__).resolve().parent.parent  # sshd re-executes itself and needs an absolute path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,10 +251,21 @@ def _bind_private_dirs(hdir: Path) -> list[str]:
         f"mount --bind {h}/hosts /etc/hosts",
         f"mount --bind {h}/hostname /etc/hostname",
         f"mount --bind /root/.pyenv {h}/root/.pyenv",  # keep /work/main/.venv's interpreter reachable
+        *_keep_repo_visible(hdir),
         f"mount --rbind {h}/root /root",
-        f"mount --bind {h}/home /home",
-        f"mount --bind {h}/tmp /tmp",  # last: it hides hdir, which lives under /tmp
+        f"mount --rbind {h}/home /home",
+        f"mount --rbind {h}/tmp /tmp",  # last: it hides hdir, which lives under /tmp
     ]
+
+
+def _keep_repo_visible(hdir: Path) -> list[str]:
+    """The checkout under test (and its .venv) must stay reachable on a host whose /tmp, /root or
+    /home are private: CI may clone it anywhere. Bind it into the private copy at the same path."""
+    for private in ("tmp", "root", "home"):
+        if REPO.is_relative_to(f"/{private}"):
+            mirror = shlex.quote(str(hdir / private / REPO.relative_to(f"/{private}")))
+            return [f"mkdir -p {mirror}", f"mount --bind {shlex.quote(str(REPO))} {mirror}"]
+    return []
 
 
 # ---------------------------------------------------------------- level C
@@ -302,7 +314,8 @@ def systemd_machine(tmpdir, boot_timeout: float = 90):
             f" install -d -o {ML_USER} -g {ML_USER} -m 755 /home/{ML_USER}/work'",
             f"mount -t tmpfs -o mode=755 dev {d['root']}/dev",  # nspawn wants an empty /dev
             f"exec systemd-nspawn --quiet -D {d['root']} --machine={machine} --register=no --keep-unit"
-            f" --link-journal=no --network-namespace-path=/run/netns/{ns} --console=pipe --boot",
+            f" --link-journal=no --network-namespace-path=/run/netns/{ns} --console=pipe --boot"
+            f" --bind-ro={shlex.quote(str(REPO))}",  # the checkout under test, wherever CI cloned it
         ]
         try:
             proc = _spawn(["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",

@@ -85,12 +85,14 @@ def test_run_survives_disconnect_and_succeeds(tmp_path, ssh_host):
     path, [host] = prepare(tmp_path, [ssh_host])
     with connect(host) as s:  # the host's env file: its secret reaches the run, never a command line
         s.write_file(f"{s.workdir}/service/vllm.env", "SPECOPS_TEST_SECRET=s3cr3t-value\n", 0o600)
-    code = ("import os, sys, time; time.sleep(3); open('seen', 'w').write(os.environ.get('SPECOPS_TEST_SECRET', '')"
+    code = ("import os, sys, time\nwhile not os.path.exists('go'): time.sleep(0.1)\n"
+            "open('seen', 'w').write(os.environ.get('SPECOPS_TEST_SECRET', '')"
             " + '|' + repr(sys.stdin.read())); print('specops-progress {\"done\": 1}')")
     run_id = start([host], code)  # launch_on has closed its connection when it returns
     assert run_row(host, run_id)["state"] == "running"
     proc = inv("status", "--run", run_id, "--on", "bed", inventory=path)
     assert proc.returncode == 0 and "running" in proc.stdout, proc.stdout + proc.stderr
+    (Path(host.workdir) / "runs" / run_id / "go").touch()  # the run ends when the test says so
     row = wait_for(host, run_id, {"succeeded", "failed"})
     assert (row["state"], row["exit"], row["progress"]) == ("succeeded", 0, {"done": 1})
     d = Path(host.workdir) / "runs" / run_id  # a loopback host shares this filesystem

@@ -280,6 +280,19 @@ def test_real_vllm_under_tmux(tmp_path, netns_trio, tiny_model, api_key):
         logs = inv("serve", "--on", node.name, "--logs", "--lines", "400", inventory=path)
         assert "Starting vLLM server" in logs.stdout
 
+        # `inv generate` end to end against this host's own vLLM (key from the env file), then `inv pull`
+        assert inv("deploy", "--on", node.name, "--no-deps", inventory=path).returncode == 0
+        gen = inv("generate", "--on", node.name, "--n", "12", "--dataset", "examples/prompts.jsonl", "--name",
+                  "gen-e2e", "--follow", "--", "--max-tokens", "300", inventory=path, timeout=600)
+        assert gen.returncode == 0, outputs(gen)
+        pulled = inv("pull", "--on", node.name, "--run", "gen-e2e", "--dest", tmp_path / "artifacts", inventory=path)
+        assert pulled.returncode == 0, outputs(pulled)
+        data = tmp_path / "artifacts" / "gen-e2e" / node.name / "data.jsonl"
+        records = [json.loads(line) for line in data.read_text().splitlines()]
+        assert len({r["id"] for r in records}) == len(records) == 12
+        answers = [m for r in records for m in r["messages"] if m["role"] == "assistant"]
+        assert answers and all(m.get("reasoning") and m.get("content") for m in answers)
+
         assert host_sh(node, f"stat -c '%a %U' '{workdir}/service/vllm.env'").strip() == "600 root"
         assert api_key not in host_sh(node, "ps -eo args")
         assert api_key not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
