@@ -303,7 +303,7 @@ def _fabric_connection(host: Host) -> fabric.Connection:
         host.address, user=host.ansible_user, port=host.ansible_port, config=config,
         connect_timeout=CONNECT_TIMEOUT, connect_kwargs=connect_kwargs,
     )
-    # Fabric installs AutoAddPolicy and never reads known_hosts: undo both.
+    # Fabric trusts any new host key and never reads known_hosts: undo both.
     for path in known_hosts_files(host):
         if os.path.exists(path):
             conn.client.load_host_keys(path)
