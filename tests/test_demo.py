@@ -30,8 +30,11 @@ all:
           env: {{VLLM_CPU_KVCACHE_SPACE: "1"}}
 """)
     dest = tmp_path / "artifacts"
+    # its own tmux server: a user's demo on this machine uses the same session names (specops-vllm)
+    (tmp_path / "tmux").mkdir()
+    env = {"TMUX_TMPDIR": str(tmp_path / "tmux")}
     proc = inv("demo", "--rows", 30, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
-               timeout=1800)
+               timeout=1800, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     summary = out[out.index("=== summary ==="):]
@@ -44,6 +47,6 @@ all:
     assert (dest / "demo-generate" / "localhost" / "data.jsonl").stat().st_size > 0
     # the service is stopped at the end, and a re-run reuses the finished runs
     again = inv("demo", "--rows", 30, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
-                timeout=1200)
+                timeout=1200, env=env)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert again.stdout.count("reusing the finished run") == 3
