@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from chat_render import ChatRenderer, Sample, data_files, render_records
 from draft_model import DraftConfig, Eagle3Draft, export
-from shard_states import ShardTargetStates
+from shard_states import ShardTargetStates, cut_batches
 from target_states import OnlineTargetStates, TargetStates
 
 PROGRESS_EVERY_S = 5.0
@@ -121,14 +121,7 @@ def draft_vocab(samples, vocab_size: int, size: int) -> torch.Tensor:
 def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     """Sample indices per batch for one epoch: a seeded shuffle cut into batches of <= batch_tokens padded tokens."""
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-    batches, batch, width = [], [], 0
-    for i in order:
-        if batch and max(width, lengths[i]) * (len(batch) + 1) > batch_tokens:
-            batches.append(batch)
-            batch, width = [], 0
-        batch.append(i)
-        width = max(width, lengths[i])
-    return batches + [batch] if batch else batches
+    return cut_batches(order, lengths, batch_tokens)
 
 
 def rank_batches(lengths, batch_tokens, seed, rank, world):
