@@ -381,6 +381,8 @@ def main(argv=None):
     for name in os.listdir(args.out):  # a shard being written when a previous run died
         if name.endswith(".tmp"):
             os.remove(os.path.join(args.out, name))
+    # vLLM's files for requests a dead run never took: only this run (it holds the lock) writes here.
+    shutil.rmtree(os.path.join(args.out, "requests"), ignore_errors=True)
 
     source = None
     if args.endpoint:

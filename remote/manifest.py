@@ -7,16 +7,26 @@ The manifest is what makes a pulled copy trustworthy: --verify names every file 
 has the wrong size or the wrong hash, prints one line per problem and exits 1. Files that are not
 in the manifest (written after it, or left by an earlier pull) are not checked.
 
+Files matching HOST_ONLY are counted, not hashed, and `inv pull` does not copy them.
+
 Self-contained (stdlib only): it runs on the GPU host and on the laptop alike.
 """
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import os
 import sys
 
 NAME = "manifest.json"
+# An extract run's target-state shards: terabytes for a large target, read where they lie by
+# `train --states`, and cheaper to recompute than to hash or copy home.
+HOST_ONLY = ("shard-*.safetensors", "shard-*.safetensors.tmp")
+
+
+def host_only(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in HOST_ONLY)
 
 
 def sha256(path: str) -> str:
@@ -53,7 +63,10 @@ def describe(root: str, rel: str) -> dict:
 
 
 def write(root: str) -> None:
-    doc = {"files": [describe(root, rel) for rel in files_under(root)]}
+    rels = list(files_under(root))
+    kept = {rel for rel in rels if host_only(os.path.basename(rel))}
+    doc = {"files": [describe(root, rel) for rel in rels if rel not in kept],
+           "host_only": {"files": len(kept), "bytes": sum(os.path.getsize(os.path.join(root, r)) for r in kept)}}
     tmp = os.path.join(root, "." + NAME + ".tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -61,17 +74,27 @@ def write(root: str) -> None:
     os.replace(tmp, os.path.join(root, NAME))
 
 
+def read(root: str) -> dict:
+    """The manifest of root; OSError or ValueError if missing or unreadable."""
+    with open(os.path.join(root, NAME)) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
+        raise ValueError("no list of files")
+    return doc
+
+
 def verify(root: str) -> list[str]:
     """One line per problem; empty when the copy matches its manifest."""
     try:
-        with open(os.path.join(root, NAME)) as f:
-            entries = json.load(f)["files"]
+        entries = read(root)["files"]
     except FileNotFoundError:
         return [f"{NAME}: missing (the run did not finish writing it)"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         return [f"{NAME}: unreadable: {e}"]
     problems = []
     for entry in entries:
+        if not isinstance(entry, dict) or not {"path", "size", "sha256"} <= entry.keys():
+            return [f"{NAME}: unreadable: entry {entry!r}"]
         rel = entry["path"]
         path = os.path.join(root, rel)
         if not os.path.isfile(path):

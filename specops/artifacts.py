@@ -20,9 +20,9 @@ resumes, and completes the merge once every shard is home::
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,8 +32,19 @@ from .host import Session, quote
 from .inventory import Host
 from .runs import LIVE_PID, check_run_id, run_dir, runs_dir, tmux_session
 
-MANIFEST_TOOL = Path(__file__).resolve().parent.parent / "remote" / "manifest.py"
 MERGED = "merged.jsonl"
+
+
+def _load_manifest_module():
+    """remote/manifest.py, the one definition of a run's manifest, shared with the hosts (stdlib only)."""
+    path = Path(__file__).resolve().parent.parent / "remote" / "manifest.py"
+    spec = importlib.util.spec_from_file_location("specops_run_manifest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+manifest = _load_manifest_module()
 
 _PROBE = """
 d={dir}
@@ -69,7 +80,7 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
     pid, _, meta_text = r.stdout.partition("\n")
     meta = json.loads(meta_text)
     local = Path(dest) / run_id / name
-    pulled = transfer.pull_dir(session, d, str(local))
+    pulled = transfer.pull_dir(session, d, str(local), exclude=manifest.HOST_ONLY)
     running = pid.strip() != "0"
     verified = "no (still running)" if running else "yes"
     problems = [] if running else verify(local)
@@ -77,22 +88,29 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
         damaged = [line.split(": ", 1)[0] for line in problems]
         for rel in damaged:
             (local / rel).unlink(missing_ok=True)
-        pulled.files += transfer.pull_dir(session, d, str(local)).files
+        pulled.files += transfer.pull_dir(session, d, str(local), exclude=manifest.HOST_ONLY).files
         problems = verify(local)
         verified = f"yes (re-fetched {', '.join(damaged)})"
     if problems:
         raise HostError(f"{name}: integrity check failed for {local}: {'; '.join(problems)}")
-    return {"run": run_id, "shard": meta.get("shard") or "-", "method": pulled.method, "files": pulled.files,
-            "verified": verified}
+    row = {"run": run_id, "shard": meta.get("shard") or "-", "method": pulled.method, "files": pulled.files,
+           "verified": verified}
+    left = manifest.read(str(local)).get("host_only", {}) if not running else {}
+    if left.get("files"):
+        row["left on host"] = f"{left['files']} state shards, {decimal_size(left['bytes'])}"
+    return row
+
+
+def decimal_size(n: int) -> str:
+    for unit, factor in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= factor:
+            return f"{n / factor:.3g} {unit}"
+    return f"{n} B"
 
 
 def verify(local_dir: Path) -> list[str]:
     """Problems of a pulled copy against its manifest, one line per file (empty: all good)."""
-    proc = subprocess.run([sys.executable, str(MANIFEST_TOOL), "--verify", str(local_dir)],
-                          capture_output=True, text=True)
-    if proc.returncode not in (0, 1):
-        return [f"manifest check crashed: {proc.stderr.strip().splitlines()[-1:]}"]
-    return proc.stdout.splitlines()
+    return manifest.verify(str(local_dir))
 
 
 def newest_run(hosts: list[Host]) -> str:

@@ -9,6 +9,7 @@ manifest; see remote/manifest.py).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import stat
@@ -31,24 +32,26 @@ def host_has_rsync(session: Session) -> bool:
     return session.sh("command -v rsync", check=False, timeout=30).ok
 
 
-def pull_dir(session: Session, remote_dir: str, local_dir: str) -> Pulled:
+def pull_dir(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str, ...] = ()) -> Pulled:
     """Copy remote_dir's contents into local_dir (created if needed); HostError if the copy fails.
 
     Files already present are updated, never deleted; a rerun after an interruption resumes.
+    Files whose names match a glob in `exclude` stay where they are.
     """
     os.makedirs(local_dir, exist_ok=True)
     if local_rsync_available() and host_has_rsync(session):
-        return _rsync(session, remote_dir, local_dir)
+        return _rsync(session, remote_dir, local_dir, exclude)
     if session.host.is_local:
-        shutil.copytree(remote_dir, local_dir, dirs_exist_ok=True)
-        return Pulled("copy", sum(len(files) for _, _, files in os.walk(remote_dir)))
-    return _sftp(session, remote_dir, local_dir)
+        ignore = shutil.ignore_patterns(*exclude)
+        shutil.copytree(remote_dir, local_dir, dirs_exist_ok=True, ignore=ignore)
+        return Pulled("copy", sum(len(set(files) - ignore(parent, files)) for parent, _, files in os.walk(remote_dir)))
+    return _sftp(session, remote_dir, local_dir, exclude)
 
 
-def _rsync(session: Session, remote_dir: str, local_dir: str) -> Pulled:
+def _rsync(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
     extra, source = session.rsync_location(remote_dir.rstrip("/") + "/")
     argv = ["rsync", "-rlpt", "--partial", "--out-format=%n", f"--timeout={RSYNC_IO_TIMEOUT}",
-            *extra, source, local_dir.rstrip("/") + "/"]
+            *[f"--exclude={pattern}" for pattern in exclude], *extra, source, local_dir.rstrip("/") + "/"]
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -57,7 +60,7 @@ def _rsync(session: Session, remote_dir: str, local_dir: str) -> Pulled:
     return Pulled("rsync", sum(1 for line in proc.stdout.splitlines() if line and not line.endswith("/")))
 
 
-def _sftp(session: Session, remote_dir: str, local_dir: str) -> Pulled:
+def _sftp(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
     sftp = session.sftp()
     sent = 0
     try:
@@ -69,7 +72,7 @@ def _sftp(session: Session, remote_dir: str, local_dir: str) -> Pulled:
                 child = f"{rel}/{entry.filename}" if rel else entry.filename
                 if stat.S_ISDIR(entry.st_mode):
                     pending.append(child)
-                elif stat.S_ISREG(entry.st_mode):
+                elif stat.S_ISREG(entry.st_mode) and not any(fnmatch.fnmatch(entry.filename, p) for p in exclude):
                     sent += _sftp_file(sftp, f"{remote_dir}/{child}", os.path.join(local_dir, child), entry)
     except OSError as e:
         raise HostError(f"{session.host.name}: SFTP copy of {remote_dir} failed: {e}; rerun to resume") from None

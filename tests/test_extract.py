@@ -156,6 +156,10 @@ def test_kill_9_mid_extraction_then_resume_gives_every_sample_exactly_once(tiny_
     shards = len(plan(out)["shards"])
     before = len(list(out.glob("shard-*.safetensors")))
     assert 3 <= before < shards
+    # What the kill leaves when it lands while vLLM writes a request's file (racy, so made certain here).
+    (out / "requests").mkdir(exist_ok=True)
+    for name in ("9-dead.safetensors", "9-dead.safetensors.lock"):
+        (out / "requests" / name).write_bytes(b"x")
 
     r = extract(tiny_model, data, out, "--shard-mb", "0.02", "--concurrency", "2", "--resume", work=tmp_path)
     done = json.loads(r.stdout.strip().splitlines()[-1].removeprefix("specops-progress "))

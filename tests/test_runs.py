@@ -270,6 +270,30 @@ def test_pull_over_sftp_when_rsync_is_missing_here(tmp_path, ssh_host):
     assert (dest / run_id / host.name / "data.jsonl").read_bytes() == source and not partial.exists()
 
 
+@pytest.mark.parametrize("method", ["rsync", "sftp"])
+def test_pull_leaves_state_shards_on_the_host(tmp_path, ssh_host, method):
+    """An extract run's shards (terabytes for a large target) are counted in its manifest, not hashed,
+    and stay on the host; everything else comes home verified."""
+    path, [host] = prepare(tmp_path, [ssh_host])
+    code = ("import os\nfor k in range(3): open(f'shard-{k:05d}.safetensors', 'wb').write(os.urandom(1000))\n"
+            "open('plan.json', 'w').write('{}')")
+    run_id = start([host], code)
+    wait_for(host, run_id, {"succeeded"})
+    on_host = Path(host.workdir) / "runs" / run_id
+    manifest = json.loads((on_host / "manifest.json").read_text())
+    assert manifest["host_only"] == {"files": 3, "bytes": 3000}
+    assert "plan.json" in {f["path"] for f in manifest["files"]}
+    assert not [f for f in manifest["files"] if f["path"].startswith("shard-")]
+    dest = tmp_path / "artifacts"
+    env = {"PATH": str(tmp_path)} if method == "sftp" else None
+    proc = inv("pull", "--run", run_id, "--on", "bed", "--dest", dest, inventory=path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert method in proc.stdout and "3 state shards, 3 kB" in proc.stdout, proc.stdout
+    local = dest / run_id / host.name
+    assert (local / "plan.json").read_text() == "{}" and not list(local.glob("shard-*"))
+    assert len(list(on_host.glob("shard-*.safetensors"))) == 3
+
+
 def flip_one_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
