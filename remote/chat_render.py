@@ -20,6 +20,28 @@ import os
 import sys
 from dataclasses import dataclass
 
+REMOTE_CODE_HINT = "pass --trust-remote-code (with inv: add --trust-remote-code to the host's vllm_args)"
+
+
+def load_pretrained(loader, path: str, trust_remote_code: bool = False, **kw):
+    """loader.from_pretrained(path), with transformers' many-line refusal of custom code (Kimi-K2's
+    tokenizer, an unknown model_type with an auto_map) made one line that says what to do."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    if not trust_remote_code and loader.__name__ in ("AutoTokenizer", "AutoConfig"):
+        hf_logging.set_verbosity_error()  # its config warnings on the way to that refusal are noise
+    try:
+        return loader.from_pretrained(path, trust_remote_code=trust_remote_code, **kw)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            raise ValueError(f"{path}: its {loader.__name__} needs the checkpoint's own code: {REMOTE_CODE_HINT}") \
+                from None
+        raise
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -38,7 +60,7 @@ class ChatRenderer:
         self.eos_text = self._end_of_turn(eos_ids)
 
     @classmethod
-    def from_pretrained(cls, path: str, **kw) -> "ChatRenderer":
+    def from_pretrained(cls, path: str, trust_remote_code: bool = False, **kw) -> "ChatRenderer":
         from transformers import AutoTokenizer, GenerationConfig
 
         try:
@@ -46,7 +68,7 @@ class ChatRenderer:
         except OSError:  # no generation_config.json
             eos = None
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return cls(AutoTokenizer.from_pretrained(path), eos_ids=eos_ids, **kw)
+        return cls(load_pretrained(AutoTokenizer, path, trust_remote_code), eos_ids=eos_ids, **kw)
 
     def _end_of_turn(self, eos_ids) -> str:
         """The token text the model emits to end its turn: the template's first stop token after an answer."""

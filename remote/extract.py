@@ -81,6 +81,8 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=600, help="seconds for one request and its states file")
     ap.add_argument("--vllm-kwargs", default="{}", help="offline: JSON of extra vllm.LLM arguments")
     ap.add_argument("--resume", action="store_true", help="continue the extraction in --out")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the checkpoint's own tokenizer code (Kimi-K2), as vLLM's flag of that name")
     ap.add_argument("--print-layers", action="store_true",
                     help="print the layer ids to serve with (JSON) for --target and --layers, and exit")
     args = ap.parse_args(argv)
@@ -308,7 +310,7 @@ def render_samples(target: str, args):
     from train import load_samples
 
     try:
-        renderer = ChatRenderer.from_pretrained(target)
+        renderer = ChatRenderer.from_pretrained(target, args.trust_remote_code)
         samples, stats = load_samples(renderer, args.data, args.max_len, args.include_truncated)
     except (OSError, ValueError) as e:
         raise Refused(str(e)) from None
@@ -418,7 +420,7 @@ def main(argv=None):
     try:
         if source is None and todo:
             source = OfflineSource(target, layers, os.path.join(os.path.abspath(args.out), "requests"),
-                                   args.vllm_kwargs, args.timeout)
+                                   {"trust_remote_code": args.trust_remote_code, **args.vllm_kwargs}, args.timeout)
         t0 = last = time.monotonic()
         if source is not None and source.max_model_len and source.max_model_len <= longest:
             raise Refused(f"vLLM's max_model_len {source.max_model_len} is too short for the longest sample "

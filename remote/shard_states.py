@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 import state_shards as shards
+from chat_render import load_pretrained
 from target_states import TargetBatch
 
 OPEN_SHARDS = 64  # memory-mapped shard handles kept open
@@ -113,7 +114,7 @@ class ShardTargetStates:
     """The TargetStates interface of target_states.py, served from an extraction directory."""
 
     def __init__(self, target: str, states_dir: str, aux_layer_ids, samples, device, dtype,
-                 stream: bool = False, timeout: float = 3600):
+                 stream: bool = False, timeout: float = 3600, trust_remote_code: bool = False):
         from transformers import AutoConfig
 
         self.dir, self.stream, self.timeout = states_dir, stream, timeout
@@ -123,7 +124,7 @@ class ShardTargetStates:
         if plan is None:
             raise StatesError(f"{states_dir}: no plan.json: not an extraction directory (remote/extract.py --out)")
         self.plan = plan
-        self.config = AutoConfig.from_pretrained(target).get_text_config()
+        self.config = load_pretrained(AutoConfig, target, trust_remote_code).get_text_config()
         L, H = self.config.num_hidden_layers, self.config.hidden_size
         if (plan["num_layers"], plan["hidden_size"]) != (L, H):
             raise StatesError(f"{states_dir} holds states of a {plan['num_layers']}-layer, {plan['hidden_size']}-wide "

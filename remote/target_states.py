@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from chat_render import load_pretrained
+
 
 @dataclass
 class TargetBatch:
@@ -55,10 +57,12 @@ def check_aux_layer_ids(ids: list[int], num_layers: int) -> None:
 class OnlineTargetStates:
     """The target model itself, frozen, run under no_grad on each batch."""
 
-    def __init__(self, path: str, aux_layer_ids: list[int] | None, device: torch.device, dtype: torch.dtype):
+    def __init__(self, path: str, aux_layer_ids: list[int] | None, device: torch.device, dtype: torch.dtype,
+                 trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+        model = load_pretrained(AutoModelForCausalLM, path, trust_remote_code, dtype=dtype)
+        self.model = model.to(device).eval().requires_grad_(False)
         self.config = self.model.config.get_text_config()
         self.layers = self.model.base_model.layers
         n = len(self.layers)

@@ -65,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the checkpoint's own config/tokenizer code (Kimi-K2), as vLLM's flag of that name")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on cuda, else fp32")
     ap.add_argument("--include-truncated", action="store_true", help="train on rows that hit max_tokens too")
@@ -297,7 +299,7 @@ def main(argv=None):
 
     # Data: the target's own token stream, loss on its outputs.
     try:
-        renderer = ChatRenderer.from_pretrained(args.target)
+        renderer = ChatRenderer.from_pretrained(args.target, args.trust_remote_code)
         samples, stats = load_samples(renderer, args.data, args.max_len, args.include_truncated)
     except (OSError, ValueError) as e:
         raise Refused(str(e)) from None
@@ -314,11 +316,11 @@ def main(argv=None):
         target: TargetStates
         if args.states:
             target = ShardTargetStates(args.target, args.states, args.aux_layers, samples, device, dtype,
-                                       stream=args.stream)
+                                       stream=args.stream, trust_remote_code=args.trust_remote_code)
             if args.stream:
                 stream = target.stream_schedule(lengths, args.batch_tokens, args.seed, int(args.epochs or 1))
         else:
-            target = OnlineTargetStates(args.target, args.aux_layers, device, dtype)
+            target = OnlineTargetStates(args.target, args.aux_layers, device, dtype, args.trust_remote_code)
     except (OSError, ValueError) as e:
         raise Refused(str(e)) from None
     V = target.config.vocab_size

@@ -45,6 +45,11 @@ def model_path(session: Session) -> str:
     return session.path(session.host.model)
 
 
+def trust_remote_code(session: Session) -> list[str]:
+    """Scripts that read the checkpoint (tokenizer, config) trust its own code when the host's vLLM does."""
+    return ["--trust-remote-code"] if "--trust-remote-code" in session.host.vllm_args else []
+
+
 def dataset_arg(session: Session, dataset: str) -> str:
     """A relative data file is one the project ships (deployed under code/); anything else is a
     host path or a hub dataset name, passed as is."""
@@ -113,7 +118,8 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
         for d in data:
             a += ["--data", run_output(session, d, "data.jsonl")]
         a += (["--layers", layers] if layers else []) + (["--scratch-gb", str(scratch_gb)] if scratch_gb else [])
-        return script(session, "extract.py") + a + (["--stream"] if stream else []) + list(extra)
+        return script(session, "extract.py") + a + (["--stream"] if stream else []) + trust_remote_code(session) \
+            + list(extra)
 
     run_id, rc = runs.launch_on(hosts, "extract", argv, name=name, resume=resume, on=on, out=out)
     if rc == 0 and follow:
@@ -142,6 +148,7 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
         if states:
             a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
         a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
+        a += trust_remote_code(session)
         if count == 1 and not gpus:
             return script(session, "train.py") + a + list(extra)
         launcher = [session.venv_python, "-m", "torch.distributed.run", f"--nnodes={count}",
@@ -163,10 +170,13 @@ def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, name
     out = out or sys.stdout
 
     def argv(session: Session, index: int, count: int) -> list[str]:
+        host = session.host  # eval's servers are started like the host's own: parallelism, context, vllm_args
+        shape = (["--tensor-parallel-size", str(host.tp)] if host.tp > 1 else []) + [str(a) for a in host.vllm_args]
         return script(session, "eval.py") + [
             "--target", model_path(session), "--draft", run_output(session, draft, "draft"),
-            "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k),
-            "--json", "report.json", *extra]
+            "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k), "--json", "report.json",
+            *(["--max-model-len", str(host.max_model_len)] if host.max_model_len else []),
+            *[f"--vllm-arg={a}" for a in shape], *extra]
 
     run_id, rc = runs.launch_on(hosts, "eval", argv, name=name, on=on, out=out)
     if rc:

