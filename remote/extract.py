@@ -27,6 +27,8 @@ deletes them; extraction then waits while the directory would exceed --scratch-g
 
 Resumable and exactly once: the plan (which samples go in which shard) is fixed in
 plan.json; a shard file exists only when complete; --resume writes the missing ones.
+Request files a killed run left are removed by the next run (offline: all of OUT/requests;
+a server's storage: those older than --timeout, which no live reader still waits for).
 Prints `specops-progress {json}` every few seconds and at the end.
 """
 import argparse
@@ -196,6 +198,20 @@ def take_states_file(path: str, timeout: float):
     return tensors
 
 
+def sweep_stale(storage: str, older_than_s: float) -> int:
+    """Remove request files no live reader still waits for (each gives up after its timeout): what a
+    killed extraction left in a server's storage, up to GBs a request for a large target."""
+    cutoff, removed = time.time() - older_than_s, 0
+    for entry in os.scandir(storage):
+        if entry.name.endswith((".safetensors", ".safetensors.lock")) and entry.stat().st_mtime < cutoff:
+            try:
+                os.remove(entry.path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 class EndpointSource:
     """A running vLLM server: POST /v1/completions with the token ids, max_tokens 1."""
 
@@ -210,6 +226,7 @@ class EndpointSource:
             raise Refused(f"{self.url}: serves {[m.get('id') for m in listed]}; pass --model to choose one")
         self.model, self.root, self.max_model_len = chosen[0]["id"], chosen[0].get("root"), chosen[0].get("max_model_len")
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency)
+        self.swept = None  # the server's storage, once swept (known from its first answer)
 
     def _get(self, path: str) -> dict:
         request = urllib.request.Request(self.url + path, headers=self.headers)
@@ -232,6 +249,10 @@ class EndpointSource:
         path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise Refused(f"{self.url} returned no hidden_states_path: serve it with `inv serve --extract`")
+        if self.swept is None:
+            self.swept = os.path.dirname(path)
+            if removed := sweep_stale(self.swept, self.timeout):
+                progress(stage="swept", storage=self.swept, stale_request_files=removed)
         return take_states_file(path, self.timeout)
 
     def states(self, prompts: list[list[int]]):

@@ -284,6 +284,11 @@ def test_kimi_k2_shape_extracts_through_a_server_and_layer_L_gives_vllms_logprob
     data = subset(generated_data, 24, tmp_path / "data.jsonl")
     served = {k: env[k] for k in ("PYTHONPATH", "SPECOPS_EXTRACT_LAYERS")}  # what a run sources from the env file
     assert args[-1] == "--trust-remote-code"
+    storage.mkdir()
+    for name in ("dead-1.safetensors", "dead-1.safetensors.lock"):  # what a killed extraction left
+        (storage / name).write_bytes(b"x")
+        os.utime(storage / name, (time.time() - 7200,) * 2)
+    (storage / "live-2.safetensors.lock").write_bytes(b"")  # another reader's, still within its timeout
     with start_vllm(kimi_target, log_path=tmp_path / "vllm.log", extra_args=args, env=served,
                     reasoning_parser=None, served_name="ds") as server:
         out = tmp_path / "out"
@@ -295,7 +300,8 @@ def test_kimi_k2_shape_extracts_through_a_server_and_layer_L_gives_vllms_logprob
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --trust-remote-code" in r.stderr, r.stderr
         run_script("extract.py", "--endpoint", server.base_url, "--data", data, "--out", out, "--concurrency", "4",
                    "--trust-remote-code", env={**cpu_env(tmp_path), **served})
-        assert not list(storage.glob("*"))  # vLLM's per-request files and locks removed as packed
+        # vLLM's per-request files and locks removed as packed, stale ones swept, a live one kept
+        assert [p.name for p in storage.glob("*")] == ["live-2.safetensors.lock"]
         got = packed(out)
         ids = [got[s][0] for s in sorted(got)[:6]]
         import urllib.request
