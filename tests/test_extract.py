@@ -401,20 +401,33 @@ def tiny_shards(tiny_model, generated_data, tmp_path_factory):
 
 def test_draft_from_vllm_shards_accepts_like_the_online_one(tiny_model, generated_data, tiny_shards, trained_run,
                                                               heldout_prompts, tmp_path):
-    """Same data, same recipe and steps; only the source of the target states differs."""
-    run = train(tiny_model, generated_data, tmp_path / "run", "--states", tiny_shards)
+    """Same data, recipe and steps; only the source of the target states differs.
+
+    Training and eval are deterministic here (a rerun gives the same weights and AL), and vLLM's fp32
+    states equal transformers' to ~1e-5. So both runs follow one loss curve (1e-6 relative) for
+    dozens of steps; then that rounding-level difference grows as any perturbation does in training,
+    and each run ends in a different, equally good draft, as different seeds do. Measured on five
+    seeds each: online AL 3.299 ± 0.049, from shards 3.272 ± 0.031, per-seed differences -0.04..+0.07.
+    Hence the mechanism is checked exactly (the shared loss curve) and AL on the mean of two seeds.
+    """
+    run = train(tiny_model, generated_data, tmp_path / "s0", "--states", tiny_shards)
     online, shards = metrics(trained_run), metrics(run)
     assert len(shards) == len(online) and [m["tokens"] for m in shards] == [m["tokens"] for m in online]
     assert shards[-1]["loss"] < shards[0]["loss"] and shards[-1]["acc_0"] > shards[0]["acc_0"]
+    early = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(online[:30], shards[:30]))
+    assert early < 1e-4, early  # bf16 states, a shifted layer or token would differ from step 1 by far more
     config = json.loads((run / "draft" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == plan(tiny_shards)["aux_layer_ids"] == [0, 1, 2]
-    a = evaluate(tiny_model, trained_run / "draft", heldout_prompts, tmp_path / "online.json", "--no-baseline")
-    b = evaluate(tiny_model, run / "draft", heldout_prompts, tmp_path / "shards.json", "--no-baseline")
-    print(f"AL online {a['acceptance_length']} from vLLM shards {b['acceptance_length']}")
-    # The issue asks for 0.1. Seen here: 0.045 on a quiet run and 0.113 under heavy CPU load (CPU
-    # training is not bit-reproducible across thread schedules), so the test allows 0.15 and issue #9
-    # stays open until the gap is explained.
-    assert a["acceptance_length"] > 2.0 and abs(a["acceptance_length"] - b["acceptance_length"]) <= 0.15
+
+    drafts = {"online": [trained_run, train(tiny_model, generated_data, tmp_path / "o1", "--seed", "1")],
+              "shards": [run, train(tiny_model, generated_data, tmp_path / "s1", "--states", tiny_shards,
+                                    "--seed", "1")]}
+    al = {kind: [evaluate(tiny_model, d / "draft", heldout_prompts, tmp_path / f"{kind}{i}.json",
+                          "--no-baseline")["acceptance_length"] for i, d in enumerate(runs)]
+          for kind, runs in drafts.items()}
+    online_al, shards_al = (sum(v) / len(v) for v in (al["online"], al["shards"]))
+    print(f"AL online {al['online']} from vLLM shards {al['shards']}; loss curves within {early:.1e} for 30 steps")
+    assert online_al > 2.0 and abs(online_al - shards_al) <= 0.1
 
     r = run_script("train.py", "--target", tiny_model, "--data", subset(generated_data, 10, tmp_path / "d.jsonl"),
                    "--out", tmp_path / "other", "--states", tiny_shards, check=False)
