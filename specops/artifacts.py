@@ -71,8 +71,8 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
     """Copy one host's run directory to DEST/<run-id>/<host>/ and check it against the run's manifest."""
     name = session.host.name
     d = run_dir(session, run_id)
-    r = session.sh(LIVE_PID + _PROBE.format(dir=quote(d), session=quote(tmux_session(run_id))), check=False,
-                   timeout=30)
+    probe = _PROBE.format(dir=quote(d), session=quote(tmux_session(session, run_id)))
+    r = session.sh(LIVE_PID + probe, check=False, timeout=30)
     if r.exit_code == 12:
         raise HostError(f"no run {run_id} on {name}")
     if not r.ok:

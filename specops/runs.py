@@ -1,6 +1,6 @@
 """Detached runs: a command started on a host that outlives the SSH connection.
 
-A run is one command in a detached tmux session ``specops-<run-id>`` on each host it was
+A run is one command in a detached tmux session ``specops-<workdir hash>-<run-id>`` on each host it was
 started on (the same run id everywhere). Everything about it lives in
 ``<workdir>/runs/<run-id>/``, which is also the command's working directory (``--out .``)::
 
@@ -39,7 +39,7 @@ from . import fanout
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
-from .servicefiles import SERVICE_NAME, Layout
+from .servicefiles import SERVICE, Layout
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")  # tmux forbids '.' and ':' in session names
 
@@ -56,14 +56,14 @@ def new_run_id(kind: str) -> str:
 def check_run_id(run_id: str) -> str:
     if not RUN_ID.match(run_id):
         raise SpecopsError(f"run id {run_id!r}: use letters, digits, '-' and '_' only (at most 100)", exit_code=2)
-    if SERVICE_NAME.match(tmux_session(run_id)):
+    if run_id == SERVICE:
         raise SpecopsError(f"run id {run_id!r} is taken by the vLLM service's tmux session; choose another",
                            exit_code=2)
     return run_id
 
 
-def tmux_session(run_id: str) -> str:
-    return f"specops-{run_id}"
+def tmux_session(session: Session, run_id: str) -> str:
+    return f"{Layout(session.workdir).prefix}-{run_id}"
 
 
 def runs_dir(session: Session) -> str:
@@ -126,8 +126,9 @@ def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None =
     wrapper = f"{code_dir}/remote/run.sh"
     env_file = env_file or Layout(session.workdir).env_file
     pane = shlex.join(["exec", "bash", wrapper, d, session.venv_python, env_file])
-    script = _LAUNCH.format(dir=quote(d), session=quote(tmux_session(run_id)), resume="yes" if resume else "no",
-                            wrapper=quote(wrapper), python=quote(session.venv_python), cmd=quote(shlex.join(argv)),
+    script = _LAUNCH.format(dir=quote(d), session=quote(tmux_session(session, run_id)),
+                            resume="yes" if resume else "no", wrapper=quote(wrapper),
+                            python=quote(session.venv_python), cmd=quote(shlex.join(argv)),
                             meta=quote(json.dumps(meta)), pane=quote(pane))
     r = session.sh(LIVE_PID + script, check=False, timeout=60)
     refusals = {
@@ -203,14 +204,14 @@ def stop(session: Session, run_id: str, grace: float = 30) -> dict:
     Returns the row for the host: the run's state and exit code (the wrapper records it).
     """
     name = session.host.name
-    script = _STOP.format(dir=quote(run_dir(session, run_id)), session=quote(tmux_session(run_id)),
+    script = _STOP.format(dir=quote(run_dir(session, run_id)), session=quote(tmux_session(session, run_id)),
                           ticks=int(grace * 10))
     r = session.sh(LIVE_PID + script, check=False, timeout=2 * grace + 60)
     if r.exit_code == 12:
         raise HostError(f"no run {run_id} on {name}")
     if r.exit_code == 13:
         raise HostError(f"run {run_id} on {name} ignored SIGINT and SIGTERM for {grace:g}s each; it is still "
-                        f"running (its process group is led by the tmux pane of {tmux_session(run_id)})")
+                        f"running (its process group is led by the tmux pane of {tmux_session(session, run_id)})")
     if not r.ok:
         raise HostError(f"{name}: stopping {run_id} failed: {(r.stderr or r.stdout).strip()}")
     text = r.stdout.strip()

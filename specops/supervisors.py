@@ -91,7 +91,7 @@ class Supervisor:
 
 
 class Systemd(Supervisor):
-    """A system unit, ``specops-vllm-<workdir hash>.service``, running as the login user; root steps
+    """A system unit, ``specops-<workdir hash>-vllm.service``, running as the login user; root steps
     via ``sudo -n``."""
 
     name = "systemd"
@@ -148,7 +148,7 @@ class Systemd(Supervisor):
 
 
 class Tmux(Supervisor):
-    """``<workdir>/service/supervise.sh`` in the detached tmux session ``specops-vllm-<workdir hash>``."""
+    """``<workdir>/service/supervise.sh`` in the detached tmux session ``specops-<workdir hash>-vllm``."""
 
     name = "tmux"
 
@@ -170,7 +170,7 @@ class Tmux(Supervisor):
         L = self.layout
         return (f"{{ pid=$(cat {quote(L.supervisor_pid_file)} 2>/dev/null) && [ -n \"$pid\" ] && "
                 f"! grep -qE '^(inactive|failed)' {quote(L.state_file)} 2>/dev/null && kill -0 \"$pid\" 2>/dev/null "
-                f"&& tmux has-session -t ={L.tmux_session} 2>/dev/null; }}")
+                f"&& tmux has-session -t ={L.name} 2>/dev/null; }}")
 
     def start(self, restart: bool) -> None:
         if restart:
@@ -178,8 +178,8 @@ class Tmux(Supervisor):
         L = self.layout
         launch = (f"rm -f {quote(L.pid_file)} {quote(L.supervisor_pid_file)}; "
                   f"echo 'activating (start)' >{quote(L.state_file)}; "
-                  f"tmux kill-session -t ={L.tmux_session} 2>/dev/null; "
-                  f"tmux new-session -d -s {L.tmux_session} -c {quote(L.workdir)} {quote('exec bash ' + quote(L.script))}")
+                  f"tmux kill-session -t ={L.name} 2>/dev/null; "
+                  f"tmux new-session -d -s {L.name} -c {quote(L.workdir)} {quote('exec bash ' + quote(L.script))}")
         self.session.sh(launch, timeout=30)
 
     def stop(self) -> None:
@@ -188,7 +188,7 @@ class Tmux(Supervisor):
         alive = self._alive_check()
         self.session.sh(f"if {alive}; then kill -TERM \"$pid\"; for ((i = 0; i < {wait_s * 10}; i++)); do "
                         f"{alive} || break; sleep 0.1; done; fi; "
-                        f"tmux kill-session -t ={self.layout.tmux_session} 2>/dev/null; true", timeout=wait_s + 30)
+                        f"tmux kill-session -t ={self.layout.name} 2>/dev/null; true", timeout=wait_s + 30)
 
     def log_argv(self, lines: int, follow: bool) -> list[str]:
         return ["tail", "-n", str(lines), *(["-F"] if follow else []), self.layout.log_file]

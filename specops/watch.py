@@ -28,6 +28,7 @@ from .errors import HostError, SpecopsError
 from .host import Session, connect, quote
 from .inventory import Host
 from .runs import LIVE_PID, check_run_id, run_dir, runs_dir, state, tmux_session
+from .servicefiles import Layout
 
 STATUS_TIMEOUT = 30
 POLL_S = 1.0
@@ -36,7 +37,7 @@ CHUNK = 4 << 20  # most log bytes fetched per poll
 # ---------------------------------------------------------------- status
 
 _STATUS = """
-runs={runs}; named={named}
+runs={runs}; named={named}; prefix={prefix}
 printf 'now\\t%s\\n' "$(date +%s)"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits 2>/dev/null \\
@@ -45,19 +46,20 @@ fi
 if [ -n "$named" ]; then ids=$named; else
   ids=$( {{ ls -1t "$runs"/*/meta.json 2>/dev/null | head -n {last} | while IFS= read -r m; do
              basename "$(dirname "$m")"; done
-           tmux list-sessions -F '#{{session_name}}' 2>/dev/null | sed -n 's/^specops-//p'; }} | sort -u)
+           tmux list-sessions -F '#{{session_name}}' 2>/dev/null | sed -n "s/^$prefix-//p"; }} | sort -u)
 fi
 for id in $ids; do
   d="$runs/$id"; [ -f "$d/meta.json" ] || continue
   progress=$(tail -c 65536 "$d/log" 2>/dev/null | grep -ao 'specops-progress {{.*}}' | tail -n 1)
-  printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "specops-$id")" "$(cat "$d/exit_code" 2>/dev/null)" \\
+  printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "$prefix-$id")" "$(cat "$d/exit_code" 2>/dev/null)" \\
     "$(stat -c %Y "$d/meta.json")" "${{progress#specops-progress }}"
 done
 """
 
 def host_status(session: Session, run_id: str | None = None, last: int = 10) -> dict:
     """One host's service state, GPU use and runs (the named one, else the newest + all live ones)."""
-    script = _STATUS.format(runs=quote(runs_dir(session)), named=quote(run_id or ""), last=int(last))
+    script = _STATUS.format(runs=quote(runs_dir(session)), named=quote(run_id or ""), last=int(last),
+                            prefix=quote(Layout(session.workdir).prefix))
     out = session.sh(LIVE_PID + script, timeout=STATUS_TIMEOUT).stdout
     now, gpus, runs = 0, [], []
     for line in out.splitlines():
@@ -177,7 +179,7 @@ class Poll:
 
 def poll_log(session: Session, run_id: str, offset: int | None, lines: int = 50) -> Poll | None:
     """The log bytes from ``offset`` (None: from the start of the last ``lines`` lines); None if no such run."""
-    script = _POLL.format(dir=quote(run_dir(session, run_id)), session=quote(tmux_session(run_id)),
+    script = _POLL.format(dir=quote(run_dir(session, run_id)), session=quote(tmux_session(session, run_id)),
                           offset="tail" if offset is None else int(offset), lines=int(lines), chunk=CHUNK)
     r = session.sh(LIVE_PID + script, check=False, timeout=STATUS_TIMEOUT)
     if r.exit_code == 12:

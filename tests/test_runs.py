@@ -121,7 +121,8 @@ def test_failing_command_shows_failed_and_its_code(tmp_path, ssh_host):
 def test_killed_tmux_session_shows_lost(tmp_path, ssh_host):
     path, [host] = prepare(tmp_path, [ssh_host])
     run_id = start([host], "import time; time.sleep(60)")
-    remote(host, f"tmux kill-session -t {runs.tmux_session(run_id)}")
+    with connect(host) as s:
+        s.run(["tmux", "kill-session", "-t", runs.tmux_session(s, run_id)])
     row = wait_for(host, run_id, {"lost", "failed", "succeeded"})
     assert (row["state"], row["exit"]) == ("lost", None)
     assert inv("status", "--run", run_id, "--on", "bed", inventory=path).returncode == 1

@@ -86,9 +86,9 @@ def sysd(systemd_host, tmp_path):
         return write_inventory(tmp_path / "inventory.yaml", {"gpu": [ml]}, host_vars={ml.name: vars_})
 
     yield ml, inventory, workdir
-    host_sh(root, "for u in $(systemctl list-unit-files 'specops-vllm-*' --no-legend | cut -d' ' -f1); do "
+    host_sh(root, "for u in $(systemctl list-unit-files 'specops-*-vllm.service' --no-legend | cut -d' ' -f1); do "
                   "systemctl disable --now \"$u\"; rm -f \"/etc/systemd/system/$u\"; done; systemctl daemon-reload; "
-                  "systemctl reset-failed 'specops-vllm-*'", check=False)
+                  "systemctl reset-failed 'specops-*-vllm.service'", check=False)
 
 
 def unit(workdir) -> str:
