@@ -4,6 +4,7 @@ Payloads are small Python programs run with the host's venv Python (a symlink to
 venv); the code they need on the host is put there by the real `deploy`.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from specops import deploy, inventory, runs, watch
-from specops.errors import HostError
+from specops.errors import HostError, SpecopsError
 from specops.host import connect
 from tests.hostbed import write_inventory
 from tests.invoke_cli import REPO, inv
@@ -188,6 +189,23 @@ def test_double_launch_is_refused_and_resume_continues(tmp_path, ssh_host):
     d = Path(host.workdir) / "runs" / run_id
     assert (d / "cmd").read_text().rstrip().endswith(" 2 0 --resume")
     assert (d / "log").read_text().count("specops-progress") == 4 + 2  # the log goes on
+
+
+def test_two_workdirs_on_one_host_keep_their_runs_apart(tmp_path, ssh_host):
+    """Same host, same user, same run id, two workdirs (two inventory entries): two runs."""
+    other = dataclasses.replace(ssh_host, name=ssh_host.name + "-b", workdir=ssh_host.workdir + "/b")
+    path, [a, b] = prepare(tmp_path, [ssh_host, other])
+    waiting = "import os, time\nwhile not os.path.exists('go'): time.sleep(0.1)"
+    for host in (a, b):
+        start([host], waiting, name="same")
+    assert run_row(a, "same")["state"] == run_row(b, "same")["state"] == "running"
+    proc = inv("stop", "same", "--on", b.name, "--grace", "2", inventory=path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert run_row(b, "same")["state"] != "running" and run_row(a, "same")["state"] == "running"
+    (Path(a.workdir) / "runs" / "same" / "go").touch()
+    wait_for(a, "same", {"succeeded"})
+    with pytest.raises(SpecopsError, match="taken by the vLLM service"):
+        runs.check_run_id("vllm")
 
 
 def test_sharded_runs_on_three_hosts_with_a_cut_link(tmp_path, netns_trio):
