@@ -509,7 +509,8 @@ def test_serve_extract_then_inv_extract_then_train_from_the_run(tiny_model, gene
     env = {**cpu_env(work), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     host = {"ansible_connection": "local", "flavor": "cpu", "workdir": str(workdir), "model": str(tiny_model),
             "served_model_name": "tiny", "reasoning_parser": "qwen3", "max_model_len": 512, "port": free_port(),
-            "supervisor": "tmux", "vllm_args": ["--enforce-eager", "--dtype", "float32"], "env": env}
+            "supervisor": "tmux", "vllm_args": ["--enforce-eager", "--dtype", "float32", "--trust-remote-code"],
+            "env": env}
     inventory = work / "inventory.yaml"
     inventory.write_text(yaml.safe_dump({"all": {"children": {"here": {"hosts": {"box": host}}}}}))
     quiet = {"SPECOPS_SECRETS_FILE": str(work / "none.env")}
@@ -528,6 +529,12 @@ def test_serve_extract_then_inv_extract_then_train_from_the_run(tiny_model, gene
         shards = workdir / "runs" / "x1"
         assert sorted(packed(shards)) == list(range(len(rendered(tiny_model, data))))
         assert not list((workdir / "service" / "hidden_states").glob("*"))  # vLLM's files: packed and removed
+        assert "--trust-remote-code" in (shards / "cmd").read_text()  # as the host's vLLM does
+
+        pulled = inv("pull", "--run", "x1", "--on", "box", "--dest", work / "art", inventory=inventory, env=quiet)
+        home = work / "art" / "x1" / "box"
+        assert pulled.returncode == 0 and "state shards" in pulled.stdout, pulled.stdout + pulled.stderr
+        assert (home / "plan.json").exists() and not list(home.glob("shard-*"))  # the shards stay on the host
 
         trained = inv("train", "--on", "box", "--data", data, "--states", "x1", "--name", "t1", "--follow", "--",
                       "--steps", "10", "--batch-tokens", "2048", "--ttt-steps", "2", inventory=inventory,
@@ -535,5 +542,6 @@ def test_serve_extract_then_inv_extract_then_train_from_the_run(tiny_model, gene
         assert trained.returncode == 0, trained.stdout + trained.stderr
         config = json.loads((workdir / "runs" / "t1" / "draft" / "config.json").read_text())
         assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        assert "--trust-remote-code" in (workdir / "runs" / "t1" / "cmd").read_text()
     finally:
         inv("serve", "--on", "box", "--stop", inventory=inventory, timeout=300, env=quiet)
