@@ -168,7 +168,7 @@ def ensure_ml_user() -> None:
     """The non-root ops user of a GPU host: key login, NOPASSWD sudo for systemctl/journalctl/install only.
 
     Idempotent; changes this machine (the user, its sudoers file, o+x on /root so it can reach
-    the pyenv interpreter behind /work/main/.venv/bin/python) and leaves them in place.
+    the pyenv interpreter behind the checkout's .venv/bin/python) and leaves them in place.
     """
     with _locked():
         if subprocess.run(["id", "-u", ML_USER], capture_output=True).returncode:
@@ -250,7 +250,7 @@ def _bind_private_dirs(hdir: Path) -> list[str]:
         f"mount --bind {h}/etc-ssh /etc/ssh",
         f"mount --bind {h}/hosts /etc/hosts",
         f"mount --bind {h}/hostname /etc/hostname",
-        f"mount --bind /root/.pyenv {h}/root/.pyenv",  # keep /work/main/.venv's interpreter reachable
+        f"mount --bind /root/.pyenv {h}/root/.pyenv",  # keep the checkout's .venv interpreter reachable
         *_keep_repo_visible(hdir),
         f"mount --rbind {h}/root /root",
         f"mount --rbind {h}/home /home",

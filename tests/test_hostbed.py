@@ -5,6 +5,7 @@ import os
 import pwd
 import subprocess
 import time
+from pathlib import Path
 
 import paramiko
 import pytest
@@ -13,7 +14,7 @@ import yaml
 from tests.fixtures_hosts import require_level
 from tests.hostbed import REPO, loopback_sshd, write_inventory
 
-PROJECT_PYTHON = "/work/main/.venv/bin/python"
+PROJECT_PYTHON = str(REPO / ".venv" / "bin" / "python")  # the checkout under test
 
 
 def connect(host, timeout=5.0) -> paramiko.SSHClient:
@@ -55,10 +56,11 @@ def test_ml_sudo_is_limited(ml_host):
 
 
 def test_ml_can_run_project_python(ml_host):
-    """Later tests run /work/main/.venv/bin/python on the hosts as ml (it lives behind /root/.pyenv)."""
-    rc, out, err = run(ml_host, f"{PROJECT_PYTHON} -c 'import sys, yaml; print(sys.prefix)' && ls /work/main/remote")
+    """Later tests run the checkout's .venv/bin/python on the hosts as ml (its interpreter lives behind
+    /root/.pyenv)."""
+    rc, out, err = run(ml_host, f"{PROJECT_PYTHON} -c 'import sys, yaml; print(sys.prefix)' && ls {REPO}/remote")
     assert rc == 0, err
-    assert out.splitlines()[0] == "/work/main/.venv"
+    assert Path(out.splitlines()[0]).resolve() == (REPO / ".venv").resolve()
 
 
 def test_teardown_kills_what_the_host_started(tmp_path):

@@ -22,7 +22,7 @@ from tests.hostbed import write_inventory
 from tests.invoke_cli import REPO, inv
 
 os.environ["SPECOPS_SSH_CONFIG"] = "none"
-PROJECT_VENV = "/work/main/.venv"
+PROJECT_VENV = str(REPO / ".venv")  # the checkout under test; the test hosts see it
 
 # Prints a progress line per record, then writes data.jsonl with this shard's ids.
 # argv: N_RECORDS SECONDS_PER_RECORD [--shard I/K] [--resume]
