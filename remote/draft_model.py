@@ -291,9 +291,14 @@ def export(draft: Eagle3Draft, out_dir: str, dtype: torch.dtype = torch.float32,
     """Write out_dir/{config.json, model.safetensors, README.md} in the format vLLM loads as EAGLE-3."""
     tensors = export_tensors(draft, dtype)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(export_config(draft.config, dtype), f, indent=2)
-    with open(os.path.join(out_dir, "README.md"), "w") as f:
-        f.write(card)
+    # Each file is written beside its place and renamed into it: a reader (vLLM loading the draft,
+    # `inv pull`, a later export replacing a better checkpoint) never sees a torn file.
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+    os.replace(weights + ".tmp", weights)
+    for name, text in (("config.json", json.dumps(export_config(draft.config, dtype), indent=2)), ("README.md", card)):
+        path = os.path.join(out_dir, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
 

@@ -33,6 +33,7 @@ Prints `specops-progress {json}` every few seconds and at the end.
 """
 import argparse
 import concurrent.futures
+import contextlib
 import fcntl
 import json
 import os
@@ -200,15 +201,22 @@ def take_states_file(path: str, timeout: float):
 
 def sweep_stale(storage: str, older_than_s: float) -> int:
     """Remove request files no live reader still waits for (each gives up after its timeout): what a
-    killed extraction left in a server's storage, up to GBs a request for a large target."""
+    killed extraction left in a server's storage, up to GBs a request for a large target.
+
+    The storage is shared with vLLM and other readers, which create, rename and delete files in
+    it all the time: an entry listed a moment ago may be gone when it is stat'ed or removed, and
+    that is its normal life, not an error.
+    """
     cutoff, removed = time.time() - older_than_s, 0
     for entry in os.scandir(storage):
-        if entry.name.endswith((".safetensors", ".safetensors.lock")) and entry.stat().st_mtime < cutoff:
-            try:
+        if not entry.name.endswith((".safetensors", ".safetensors.lock")):
+            continue
+        try:
+            if entry.stat().st_mtime < cutoff:
                 os.remove(entry.path)
                 removed += 1
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
     return removed
 
 
@@ -403,7 +411,8 @@ def main(argv=None):
         raise Refused(f"{args.out}: another extraction is writing here") from None
     for name in os.listdir(args.out):  # a shard being written when a previous run died
         if name.endswith(".tmp"):
-            os.remove(os.path.join(args.out, name))
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.out, name))
     # vLLM's files for requests a dead run never took: only this run (it holds the lock) writes here.
     shutil.rmtree(os.path.join(args.out, "requests"), ignore_errors=True)
 

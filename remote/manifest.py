@@ -54,19 +54,38 @@ def files_under(root: str):
             yield rel
 
 
-def describe(root: str, rel: str) -> dict:
+def describe(root: str, rel: str) -> dict | None:
+    """The file's entry; None if it vanished after it was listed."""
     path = os.path.join(root, rel)
-    entry = {"path": rel, "size": os.path.getsize(path), "sha256": sha256(path)}
-    if rel.endswith(".jsonl"):
-        entry["lines"] = count_lines(path)
+    try:
+        entry = {"path": rel, "size": os.path.getsize(path), "sha256": sha256(path)}
+        if rel.endswith(".jsonl"):
+            entry["lines"] = count_lines(path)
+    except FileNotFoundError:
+        return None
     return entry
 
 
+def size_or_none(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return None
+
+
 def write(root: str) -> None:
+    """Describe what is under root now.
+
+    Other processes may still write the directory while this walks it (a streaming trainer
+    deletes the shards of an extract run; a shard's .tmp is renamed into place): a file that
+    vanishes between listing and reading was not there to describe, and is left out.
+    """
     rels = list(files_under(root))
     kept = {rel for rel in rels if host_only(os.path.basename(rel))}
-    doc = {"files": [describe(root, rel) for rel in rels if rel not in kept],
-           "host_only": {"files": len(kept), "bytes": sum(os.path.getsize(os.path.join(root, r)) for r in kept)}}
+    entries = [describe(root, rel) for rel in rels if rel not in kept]
+    kept_sizes = [size for size in (size_or_none(os.path.join(root, r)) for r in kept) if size is not None]
+    doc = {"files": [e for e in entries if e is not None],
+           "host_only": {"files": len(kept_sizes), "bytes": sum(kept_sizes)}}
     tmp = os.path.join(root, "." + NAME + ".tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -97,12 +116,16 @@ def verify(root: str) -> list[str]:
             return [f"{NAME}: unreadable: entry {entry!r}"]
         rel = entry["path"]
         path = os.path.join(root, rel)
-        if not os.path.isfile(path):
+        try:
+            size = os.path.getsize(path) if os.path.isfile(path) else None
+            if size is None:
+                problems.append(f"{rel}: missing")
+            elif size != entry["size"]:
+                problems.append(f"{rel}: size {size}, expected {entry['size']}")
+            elif sha256(path) != entry["sha256"]:
+                problems.append(f"{rel}: sha256 mismatch (content differs from the run's manifest)")
+        except FileNotFoundError:
             problems.append(f"{rel}: missing")
-        elif os.path.getsize(path) != entry["size"]:
-            problems.append(f"{rel}: size {os.path.getsize(path)}, expected {entry['size']}")
-        elif sha256(path) != entry["sha256"]:
-            problems.append(f"{rel}: sha256 mismatch (content differs from the run's manifest)")
     return problems
 
 

@@ -54,7 +54,7 @@ cat "$d/meta.json"
 """
 
 _NEWEST = """
-for m in {runs}/*/meta.json; do [ -f "$m" ] && stat -c '%Y %n' "$m"; done | sort -n | tail -n 1
+for m in {runs}/*/meta.json; do stat -c '%Y %n' "$m" 2>/dev/null; done | sort -n | tail -n 1
 """
 
 

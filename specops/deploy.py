@@ -138,10 +138,17 @@ def _sftp(session: Session, root: Path, version: Path, dest: str, *, delete: boo
     for line in listing.splitlines():
         name, size, mtime = line.split("\t")
         remote[name] = (int(size), int(float(mtime)))
-    send = [n for n, p in local.items() if remote.get(n) != (p.stat().st_size, int(p.stat().st_mtime))]
+    stats = {}
+    for n, p in local.items():
+        try:
+            stats[n] = p.stat()
+        except FileNotFoundError:  # deleted here since the listing (an editor's temporary): not sent
+            pass
+    local = {n: p for n, p in local.items() if n in stats}
+    send = [n for n in local if remote.get(n) != (stats[n].st_size, int(stats[n].st_mtime))]
     stale = [n for n in remote if n not in local] if delete else []
     changes = [f">f {n}" for n in send] + [f"*deleting {n}" for n in stale]
-    sent = sum(local[n].stat().st_size for n in send)
+    sent = sum(stats[n].st_size for n in send)
     if not dry_run:
         sftp = session.sftp()
         session.run(["mkdir", "-p", dest, *sorted({os.path.dirname(f"{dest}/{n}") for n in send})], timeout=60)

@@ -20,6 +20,7 @@ from .errors import HostError
 from .host import Session, local_rsync_available
 
 RSYNC_IO_TIMEOUT = 60  # seconds without progress before rsync gives up (a cut link)
+RSYNC_VANISHED = 24  # rsync's exit code when source files vanished during the copy
 
 
 @dataclass
@@ -42,10 +43,26 @@ def pull_dir(session: Session, remote_dir: str, local_dir: str, exclude: tuple[s
     if local_rsync_available() and host_has_rsync(session):
         return _rsync(session, remote_dir, local_dir, exclude)
     if session.host.is_local:
-        ignore = shutil.ignore_patterns(*exclude)
-        shutil.copytree(remote_dir, local_dir, dirs_exist_ok=True, ignore=ignore)
-        return Pulled("copy", sum(len(set(files) - ignore(parent, files)) for parent, _, files in os.walk(remote_dir)))
+        return _copy(remote_dir, local_dir, exclude)
     return _sftp(session, remote_dir, local_dir, exclude)
+
+
+def _copy(src_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
+    """A local host without rsync: copy file by file, skipping what a live run deletes meanwhile."""
+    copied = 0
+    for parent, dirs, names in os.walk(src_dir):
+        rel = os.path.relpath(parent, src_dir)
+        os.makedirs(os.path.join(local_dir, rel), exist_ok=True)
+        for name in names:
+            src = os.path.join(parent, name)
+            if any(fnmatch.fnmatch(name, p) for p in exclude) or os.path.islink(src):
+                continue
+            try:
+                shutil.copy2(src, os.path.join(local_dir, rel, name))
+                copied += 1
+            except FileNotFoundError:  # vanished after the listing
+                pass
+    return Pulled("copy", copied)
 
 
 def _rsync(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
@@ -53,7 +70,9 @@ def _rsync(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str
     argv = ["rsync", "-rlpt", "--partial", "--out-format=%n", f"--timeout={RSYNC_IO_TIMEOUT}",
             *[f"--exclude={pattern}" for pattern in exclude], *extra, source, local_dir.rstrip("/") + "/"]
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
+    # 24: "some files vanished before they could be transferred" -- a live run deleting its
+    # temporaries; what vanished is not part of the run (the manifest decides what is).
+    if proc.returncode not in (0, RSYNC_VANISHED):
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise HostError(f"{session.host.name}: rsync of {remote_dir} failed (exit {proc.returncode}): {last}; "
                         f"rerun to resume")
@@ -68,12 +87,21 @@ def _sftp(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str,
         while pending:
             rel = pending.pop()
             os.makedirs(os.path.join(local_dir, rel), exist_ok=True)
-            for entry in sftp.listdir_attr(f"{remote_dir}/{rel}" if rel else remote_dir):
+            try:
+                listing = sftp.listdir_attr(f"{remote_dir}/{rel}" if rel else remote_dir)
+            except FileNotFoundError:
+                if not rel:
+                    raise
+                continue  # a subdirectory removed after its parent was listed
+            for entry in listing:
                 child = f"{rel}/{entry.filename}" if rel else entry.filename
                 if stat.S_ISDIR(entry.st_mode):
                     pending.append(child)
                 elif stat.S_ISREG(entry.st_mode) and not any(fnmatch.fnmatch(entry.filename, p) for p in exclude):
-                    sent += _sftp_file(sftp, f"{remote_dir}/{child}", os.path.join(local_dir, child), entry)
+                    try:
+                        sent += _sftp_file(sftp, f"{remote_dir}/{child}", os.path.join(local_dir, child), entry)
+                    except FileNotFoundError:  # deleted on the host after the listing (a live run's temporary)
+                        pass
     except OSError as e:
         raise HostError(f"{session.host.name}: SFTP copy of {remote_dir} failed: {e}; rerun to resume") from None
     return Pulled("sftp (rsync missing)", sent)

@@ -49,10 +49,10 @@ if [ -n "$named" ]; then ids=$named; else
            tmux list-sessions -F '#{{session_name}}' 2>/dev/null | sed -n "s/^$prefix-//p"; }} | sort -u)
 fi
 for id in $ids; do
-  d="$runs/$id"; [ -f "$d/meta.json" ] || continue
+  d="$runs/$id"; started=$(stat -c %Y "$d/meta.json" 2>/dev/null) || continue  # gone since listed
   progress=$(tail -c 65536 "$d/log" 2>/dev/null | grep -ao 'specops-progress {{.*}}' | tail -n 1)
   printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "$prefix-$id")" "$(cat "$d/exit_code" 2>/dev/null)" \\
-    "$(stat -c %Y "$d/meta.json")" "${{progress#specops-progress }}"
+    "$started" "${{progress#specops-progress }}"
 done
 """
 
