@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Target hidden states from vLLM, packed into shards the trainer reads (`train.py --states DIR`).
 
-    python remote/extract.py (--endpoint URL | --target PATH) --data FILE_OR_DIR [--data ...] --out DIR
+    python remote/extract.py (--endpoint URL --storage DIR | --target PATH) --data FILE_OR_DIR [--data ...] --out DIR
         [--layers a,b,c] [--scratch-gb N] [--stream] [--resume] [--dtype bf16|fp32]
     python remote/extract.py --target PATH [--layers a,b,c] --print-layers
 
@@ -70,6 +70,8 @@ def parse_args(argv=None):
     source.add_argument("--endpoint", help="a vLLM serving with extract_hidden_states, e.g. http://127.0.0.1:8000")
     source.add_argument("--target", help="target model directory (offline vllm.LLM unless --endpoint)")
     ap.add_argument("--model", help="with --endpoint: the served model id (default: the only one listed)")
+    ap.add_argument("--storage", help="with --endpoint: the server's shared_storage_path (inv serve --extract: "
+                    "<workdir>/service/hidden_states); request files named outside it are refused")
     ap.add_argument("--data", action="append", help="data.jsonl, messages jsonl, or a directory")
     ap.add_argument("--out", help="directory for plan.json, index.json and the shards")
     ap.add_argument("--layers", help="aux layer ids a,b,c in vLLM's convention (default: the trainer's)")
@@ -97,6 +99,8 @@ def parse_args(argv=None):
         ap.error("give --endpoint URL or --target PATH")
     if not args.data or not args.out:
         ap.error("--data and --out are required")
+    if args.endpoint and not args.storage:
+        ap.error("--endpoint needs --storage DIR: the server's shared_storage_path, where it writes the states")
     if args.stream and not args.scratch_gb:
         ap.error("--stream needs --scratch-gb (the spool's budget)")
     for name in ("max_len", "concurrency", "timeout", "shard_mb", "scratch_gb"):
@@ -220,10 +224,21 @@ def sweep_stale(storage: str, older_than_s: float) -> int:
     return removed
 
 
+def request_file(path, storage: str, url: str) -> str:
+    """The server's answer names a file this run reads and then deletes (with its .lock): accept only
+    a request file directly inside the storage the server was configured with, never a path that
+    climbs out of it, so a wrong or hostile server cannot make the extraction delete anything else."""
+    if (not isinstance(path, str) or not os.path.isabs(path) or os.path.normpath(path) != path
+            or os.path.dirname(path) != storage or not path.endswith(".safetensors")):
+        raise Refused(f"{url} answered hidden_states_path {str(path)[:200]!r}: not a request file directly in "
+                      f"{storage} (--storage: the server's shared_storage_path)")
+    return path
+
+
 class EndpointSource:
     """A running vLLM server: POST /v1/completions with the token ids, max_tokens 1."""
 
-    def __init__(self, url: str, model: str | None, timeout: float, concurrency: int):
+    def __init__(self, url: str, model: str | None, timeout: float, concurrency: int, storage: str):
         self.url, self.timeout = url.rstrip("/"), timeout
         self.headers = {"Content-Type": "application/json"}
         if os.environ.get("VLLM_API_KEY"):  # from the host's env file: never on a command line
@@ -234,7 +249,8 @@ class EndpointSource:
             raise Refused(f"{self.url}: serves {[m.get('id') for m in listed]}; pass --model to choose one")
         self.model, self.root, self.max_model_len = chosen[0]["id"], chosen[0].get("root"), chosen[0].get("max_model_len")
         self.pool = concurrent.futures.ThreadPoolExecutor(concurrency)
-        self.swept = None  # the server's storage, once swept (known from its first answer)
+        self.storage = os.path.normpath(os.path.abspath(storage))
+        self.swept = False  # the storage is swept once, when the first answer shows the server writes there
 
     def _get(self, path: str) -> dict:
         request = urllib.request.Request(self.url + path, headers=self.headers)
@@ -254,13 +270,15 @@ class EndpointSource:
             raise Refused(f"{self.url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
         except (OSError, ValueError) as e:
             raise Refused(f"{self.url}: {e}") from None
-        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        path = params.get("hidden_states_path") if isinstance(params, dict) else None
         if not path:
             raise Refused(f"{self.url} returned no hidden_states_path: serve it with `inv serve --extract`")
-        if self.swept is None:
-            self.swept = os.path.dirname(path)
-            if removed := sweep_stale(self.swept, self.timeout):
-                progress(stage="swept", storage=self.swept, stale_request_files=removed)
+        path = request_file(path, self.storage, self.url)
+        if not self.swept:
+            self.swept = True
+            if removed := sweep_stale(self.storage, self.timeout):
+                progress(stage="swept", storage=self.storage, stale_request_files=removed)
         return take_states_file(path, self.timeout)
 
     def states(self, prompts: list[list[int]]):
@@ -418,7 +436,7 @@ def main(argv=None):
 
     source = None
     if args.endpoint:
-        source = EndpointSource(args.endpoint, args.model, args.timeout, args.concurrency)
+        source = EndpointSource(args.endpoint, args.model, args.timeout, args.concurrency, args.storage)
         target = args.target or source.root
         if not target or not os.path.isdir(target):
             raise Refused(f"{args.endpoint} serves {target!r}, not a directory here: pass --target PATH")

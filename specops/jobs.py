@@ -114,7 +114,7 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
 
     def argv(session: Session, index: int, count: int) -> list[str]:
         a = ["--endpoint", endpoint_url(session), "--model", service.served_name(session),
-             "--target", model_path(session), "--out", "."]
+             "--storage", Layout(session.workdir).states_dir, "--target", model_path(session), "--out", "."]
         for d in data:
             a += ["--data", run_output(session, d, "data.jsonl")]
         a += (["--layers", layers] if layers else []) + (["--scratch-gb", str(scratch_gb)] if scratch_gb else [])

@@ -292,14 +292,16 @@ def test_kimi_k2_shape_extracts_through_a_server_and_layer_L_gives_vllms_logprob
     with start_vllm(kimi_target, log_path=tmp_path / "vllm.log", extra_args=args, env=served,
                     reasoning_parser=None, served_name="ds") as server:
         out = tmp_path / "out"
-        r = run_script("extract.py", "--endpoint", server.base_url, "--data", data, "--out", tmp_path / "x",
+        r = run_script("extract.py", "--endpoint", server.base_url, "--storage", storage,
+                       "--data", data, "--out", tmp_path / "x",
                        "--layers", "1,2,4", env={**cpu_env(tmp_path), **served}, check=False)
         assert r.returncode == 2 and "writes the states of layers [1, 2, 3, 4]" in r.stderr, r.stderr
-        r = run_script("extract.py", "--endpoint", server.base_url, "--data", data, "--out", tmp_path / "y",
+        r = run_script("extract.py", "--endpoint", server.base_url, "--storage", storage,
+                       "--data", data, "--out", tmp_path / "y",
                        env={**cpu_env(tmp_path), **served}, check=False)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --trust-remote-code" in r.stderr, r.stderr
-        run_script("extract.py", "--endpoint", server.base_url, "--data", data, "--out", out, "--concurrency", "4",
-                   "--trust-remote-code", env={**cpu_env(tmp_path), **served})
+        run_script("extract.py", "--endpoint", server.base_url, "--storage", storage,
+                   "--data", data, "--out", out, "--concurrency", "4", "--trust-remote-code", env={**cpu_env(tmp_path), **served})
         # vLLM's per-request files and locks removed as packed, stale ones swept, a live one kept
         assert [p.name for p in storage.glob("*")] == ["live-2.safetensors.lock"]
         got = packed(out)
