@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import untrusted
 from .errors import SpecopsError
 from .host import connect
 from .inventory import Host
@@ -89,11 +90,12 @@ def print_table(rows: list[dict], out=None) -> None:
 
 
 def _cell(value) -> str:
+    """A value as table text; host text among it (errors, run ids, progress) cannot drive the terminal."""
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.3g}"
-    return str(value)
+    return untrusted.clean(str(value))
 

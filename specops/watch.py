@@ -23,7 +23,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from . import fanout, service
+from . import fanout, service, untrusted
 from .errors import HostError, SpecopsError
 from .host import Session, connect, quote
 from .inventory import Host
@@ -77,6 +77,10 @@ def host_status(session: Session, run_id: str | None = None, last: int = 10) -> 
             exit_code = int(code) if code.lstrip("-").isdigit() else None
             runs.append({"run": rid, "state": state(bool(pid), exit_code), "exit": exit_code,
                          "age_s": now - int(started), "progress": _progress(progress)})
+    if any(r["progress"] for r in runs):  # a run's progress line is the host's text: no escapes, no secrets
+        secrets = untrusted.known_secrets(session)
+        for r in runs:
+            r["progress"] = _cleaned(r["progress"], secrets)
     runs.sort(key=lambda r: r["age_s"], reverse=True)
     return {"service": service_state(session), "gpu": describe_gpu_use(gpus), "runs": runs}
 
@@ -97,6 +101,9 @@ def status(hosts: list[Host], run_id: str | None = None, *, last: int = 10, as_j
     if run_id:
         check_run_id(run_id)
     outcomes = fanout.each(hosts, host_status, run_id, last)
+    local_secrets = untrusted.known_secrets()
+    for o in outcomes:  # a host's error may quote what the host printed
+        o.error = o.error and untrusted.clean_lines(o.error, local_secrets)
     found = [(o.host.name, r) for o in outcomes if o.ok for r in o.row["runs"]]
     if as_json:
         print(json.dumps([{"host": o.host.name, "ok": o.ok, **({"error": o.error} if o.error else o.row)}
@@ -131,6 +138,17 @@ def _progress(text: str):
         return json.loads(text) if text else None
     except ValueError:
         return text  # a torn or foreign line: show it as it is
+
+
+def _cleaned(value, secrets):
+    """Every string in a parsed progress line (keys included) through :func:`untrusted.clean`."""
+    if isinstance(value, str):
+        return untrusted.clean(value, secrets)
+    if isinstance(value, dict):
+        return {_cleaned(k, secrets): _cleaned(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cleaned(v, secrets) for v in value]
+    return value
 
 
 def _progress_text(progress) -> str:
@@ -192,11 +210,13 @@ def poll_log(session: Session, run_id: str, offset: int | None, lines: int = 50)
 
 
 class _Printer:
-    """Writes whole lines, prefixed with the host name when several hosts are shown; thread-safe."""
+    """Writes whole lines, cleaned (:mod:`specops.untrusted`), prefixed with the host name when
+    several hosts are shown; thread-safe."""
 
     def __init__(self, prefixed: bool, out):
         self.prefixed, self.out, self.lock = prefixed, out, threading.Lock()
         self.partial: dict[str, bytes] = {}
+        self.secrets: dict[str, list] = {}  # per host: the secrets to redact
 
     def feed(self, host: str, data: bytes, final: bool = False) -> None:
         buf = self.partial.get(host, b"") + data
@@ -206,7 +226,7 @@ class _Printer:
         self.partial[host] = rest
         with self.lock:
             for line in lines:
-                text = line.decode("utf-8", "replace")
+                text = untrusted.clean(line.decode("utf-8", "replace"), self.secrets.get(host))
                 print(f"{host}| {text}" if self.prefixed else text, file=self.out)
             self.out.flush()
 
@@ -227,6 +247,7 @@ def logs(hosts: list[Host], run_id: str, *, lines: int = 50, follow: bool = Fals
     def watch(host: Host) -> None:
         try:
             with connect(host) as session:
+                printer.secrets[host.name] = untrusted.known_secrets(session)
                 offset = None
                 while True:
                     poll = poll_log(session, run_id, offset, lines)
@@ -243,7 +264,7 @@ def logs(hosts: list[Host], run_id: str, *, lines: int = 50, follow: bool = Fals
         except SpecopsError as e:
             errors[host.name] = str(e)
             with printer.lock:
-                print(f"error: {e}", file=sys.stderr)
+                print(f"error: {untrusted.clean_lines(str(e), printer.secrets.get(host.name))}", file=sys.stderr)
 
     threads = [threading.Thread(target=watch, args=(h,), daemon=True) for h in hosts]
     for t in threads:
