@@ -228,11 +228,11 @@ def request_file(path, storage: str, url: str) -> str:
     """The server's answer names a file this run reads and then deletes (with its .lock): accept only
     a request file directly inside the storage the server was configured with, never a path that
     climbs out of it, so a wrong or hostile server cannot make the extraction delete anything else."""
-    if (not isinstance(path, str) or not os.path.isabs(path) or os.path.normpath(path) != path
-            or os.path.dirname(path) != storage or not path.endswith(".safetensors")):
+    if (not isinstance(path, str) or not os.path.isabs(path) or ".." in path.split("/")
+            or os.path.dirname(os.path.normpath(path)) != storage or not path.endswith(".safetensors")):
         raise Refused(f"{url} answered hidden_states_path {str(path)[:200]!r}: not a request file directly in "
                       f"{storage} (--storage: the server's shared_storage_path)")
-    return path
+    return os.path.normpath(path)
 
 
 class EndpointSource:

@@ -82,6 +82,7 @@ def test_a_server_cannot_make_extraction_delete_files_outside_its_storage(tmp_pa
 
 def test_request_file_rule():
     assert extract.request_file("/s/cmpl-1-0.safetensors", "/s", "u") == "/s/cmpl-1-0.safetensors"
+    assert extract.request_file("/s//cmpl-1-0.safetensors", "/s", "u") == "/s/cmpl-1-0.safetensors"
     for bad in ("/s/sub/a.safetensors", "/s/../a.safetensors", "/t/a.safetensors", "/s/a.lock", "s/a.safetensors", 7):
         with pytest.raises(extract.Refused):
             extract.request_file(bad, "/s", "u")
