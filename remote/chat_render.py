@@ -13,12 +13,14 @@ text; a template that rewrites history (Qwen3 drops earlier thinking) starts a
 new sample per turn, so every sample is a context the model really decoded in.
 
 Used by the trainer and by the state extractor: both must cut the same tokens.
-Standalone on purpose (transformers only).
+Standalone on purpose (transformers, and its sibling conversations.py).
 """
 import json
 import os
 import sys
 from dataclasses import dataclass
+
+from conversations import conversation
 
 REMOTE_CODE_HINT = "pass --trust-remote-code (with inv: add --trust-remote-code to the host's vllm_args)"
 
@@ -40,9 +42,6 @@ def load_pretrained(loader, path: str, trust_remote_code: bool = False, **kw):
         raise
     finally:
         hf_logging.set_verbosity(verbosity)
-
-
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 @dataclass
@@ -139,27 +138,9 @@ class ChatRenderer:
 
 
 def normalise(record: dict) -> list[dict]:
-    """The record's messages as [{"role", "content", "reasoning"?}]; raises ValueError if it has none.
-
-    Accepts generate's data.jsonl and OpenAI `messages` (reasoning or reasoning_content),
-    and ShareGPT `conversations` ({from, value}).
-    """
-    if isinstance(record.get("messages"), list):
-        raw = [(m.get("role"), m.get("content"), m.get("reasoning", m.get("reasoning_content"))) for m in record["messages"]]
-    elif isinstance(record.get("conversations"), list):
-        raw = [(m.get("from"), m.get("value"), None) for m in record["conversations"]]
-    else:
-        raise ValueError("no 'messages' or 'conversations' list")
-    messages = []
-    for role, content, reasoning in raw:
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}")
-        if content is not None and not isinstance(content, str):
-            raise ValueError("non-string content")
-        m = {"role": ROLES[role], "content": content if ROLES[role] == "assistant" else content or ""}
-        if reasoning is not None and m["role"] == "assistant":
-            m["reasoning"] = reasoning
-        messages.append(m)
+    """The record's messages as [{"role", "content", "reasoning"?}]; raises ValueError if it has none
+    to train on. The shapes read are generate's (remote/conversations.py: one reader for both)."""
+    messages = conversation(record)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant message")
     return messages
@@ -170,7 +151,7 @@ def turns_ended(record: dict) -> list[bool] | None:
     turns = record.get("turns")
     if not isinstance(turns, list):
         return None
-    return [t.get("finish_reason") != "length" for t in turns]
+    return [not isinstance(t, dict) or t.get("finish_reason") != "length" for t in turns]
 
 
 def template_kwargs(record: dict) -> dict:
@@ -195,15 +176,15 @@ def render_records(renderer: ChatRenderer, paths: list[str], max_len: int, inclu
         stats.setdefault(key, 0)
     for path, line, record in read_records(paths):
         stats["rows"] += 1
-        if is_truncated(record) and not include_truncated:
-            stats["truncated_skipped"] += 1
-            continue
         try:
             messages = normalise(record)
         except ValueError as e:
             stats["bad_rows"] += 1
             if stats["bad_rows"] == 1:
                 print(f"skipping {path}:{line}: {e} (further bad rows only counted)", file=sys.stderr)
+            continue
+        if is_truncated(record) and not include_truncated:
+            stats["truncated_skipped"] += 1
             continue
         ended = turns_ended(record)
         if ended is not None and len(ended) != sum(m["role"] == "assistant" for m in messages):

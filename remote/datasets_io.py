@@ -1,48 +1,107 @@
 """Dataset rows in, chat prompts out: the input side of remote/generate.py.
 
-Rows come through `datasets` in streaming mode (a hub name, or local jsonl/json/parquet files), so
-memory stays flat whatever the dataset's size. Each row of a recognised schema becomes a list of
-chat messages; a row that cannot become one raises RowError with a reason, which the caller records
-instead of crashing.
+Local JSON files (.jsonl, .json) are read here, one line at a time: each line is one row, and a line
+that does not parse is that row's error, naming its line, while the rows around it go on. (Through
+`datasets`' JSON reader, one row whose types differ from the first chunk's fails the whole stream,
+again at the same place on every resume.) Hub datasets and parquet files, whose columns are typed,
+come through `datasets` in streaming mode. Memory stays flat whatever the dataset's size.
 
-Recognised schemas, first match wins:
-  - OpenAI:                 {"messages": [{"role": "system"|"user"|"assistant", "content": str}]}
-  - ShareGPT / perfectblend: {"conversations": [{"from": "system"|"human"|"gpt", "value": str}]}
-  - plain prompt:           {"prompt": str}
+A row becomes a conversation through remote/conversations.py (the shapes read are listed there);
+one that cannot raises RowError with a reason, which the caller records instead of crashing.
 """
 import hashlib
 import itertools
 import json
 import os
+import random
 
-ROLE_ALIASES = {
-    "system": "system", "developer": "system",
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
-}
-# Local files by extension: the `datasets` builder, and how much it reads at a time. Its defaults
-# (10 MB of JSON, a whole parquet row group) cost ~150 MB of RSS at once; these cost ~20.
-FILE_BUILDERS = {
-    ".jsonl": ("json", {"chunksize": 1 << 20}),
-    ".json": ("json", {"chunksize": 1 << 20}),
-    ".parquet": ("parquet", {"batch_size": 1024}),
-}
+from conversations import ConversationError as RowError
+from conversations import conversation as row_messages
+
+# Local files by extension: read line by line here, or by a `datasets` builder with how much it reads
+# at a time (its default, a whole parquet row group, costs ~150 MB of RSS at once; this ~20).
+JSON_SUFFIXES = (".jsonl", ".json")
+FILE_BUILDERS = {".parquet": ("parquet", {"batch_size": 1024})}
+SHUFFLE_BUFFER = 10_000
 
 
 class DatasetError(Exception):
     """The dataset cannot be opened or read; the message is one line for the user."""
 
 
-class RowError(Exception):
-    """This row cannot be turned into a prompt; the message is the reason recorded for it."""
+class UnreadableRow(RowError):
+    """A line the reader cannot parse, yielded in place of its row (its text keeps its id stable)."""
+
+    def __init__(self, reason, text):
+        super().__init__(reason)
+        self.text = text
 
 
 def open_rows(name_or_path, split="train", shuffle_seed=None):
-    """An iterator over the dataset's rows (dicts), checked to yield at least its first row.
+    """An iterator of (where, row): where is "FILE:LINE" for a row of a local JSON file, else None;
+    row is a dict, or an UnreadableRow for a line that does not parse.
 
     Raises DatasetError when the dataset cannot be found, reached or read. The first row is read
     here so that a missing hub dataset or an unreadable file fails before any work starts.
     """
+    try:
+        if os.path.isfile(name_or_path) and name_or_path.lower().endswith(JSON_SUFFIXES):
+            rows = json_rows(name_or_path)
+            if shuffle_seed is not None:
+                rows = buffered_shuffle(rows, shuffle_seed)
+        else:
+            rows = zip(itertools.repeat(None), hf_rows(name_or_path, split, shuffle_seed))
+        first = next(rows, None)
+    except DatasetError:
+        raise
+    except Exception as e:  # datasets raises many kinds; all mean the same thing here
+        raise DatasetError(f"cannot open dataset '{name_or_path}': {one_line(e)}") from None
+    if first is None:
+        raise DatasetError(f"dataset '{name_or_path}' (split {split}) has no rows")
+    return reading_errors(itertools.chain([first], rows), name_or_path)
+
+
+def json_rows(path):
+    """(where, row) for every non-blank line of a JSON-lines file, or every item of a JSON array."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith(b"["):  # one JSON array: `datasets` loads these whole too
+            try:
+                items = json.load(f)
+            except ValueError as e:
+                raise DatasetError(f"{path}: not a valid JSON array ({one_line(e)})") from None
+            for k, item in enumerate(items, 1):
+                yield f"{path}:item {k}", item
+            return
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                text = line.decode("utf-8", "replace")
+                yield f"{path}:{number}", UnreadableRow(f"line is not valid JSON ({one_line(e)})", text)
+                continue
+            yield f"{path}:{number}", row
+
+
+def buffered_shuffle(rows, seed, buffer_size=SHUFFLE_BUFFER):
+    """Rows in a seeded random order, holding at most buffer_size of them (as `datasets` does)."""
+    rng, buffer = random.Random(seed), []
+    for row in rows:
+        if len(buffer) < buffer_size:
+            buffer.append(row)
+            continue
+        i = rng.randrange(buffer_size)
+        yield buffer[i]
+        buffer[i] = row
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def hf_rows(name_or_path, split, shuffle_seed):
+    """The rows of a hub dataset, a parquet file or a directory, streamed by `datasets`."""
     import datasets
     import huggingface_hub
 
@@ -52,28 +111,19 @@ def open_rows(name_or_path, split="train", shuffle_seed=None):
     datasets.logging.set_verbosity_error()
     huggingface_hub.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
-    try:
-        if os.path.isfile(name_or_path):
-            ext = os.path.splitext(name_or_path)[1].lower()
-            if ext not in FILE_BUILDERS:
-                raise DatasetError(f"{name_or_path}: unsupported file type '{ext}' "
-                                   f"(expected one of {', '.join(FILE_BUILDERS)})")
-            builder, read_size = FILE_BUILDERS[ext]
-            ds = datasets.load_dataset(builder, data_files=name_or_path, split=split,
-                                       streaming=True, **read_size)
-        else:
-            ds = datasets.load_dataset(name_or_path, split=split, streaming=True)
-        if shuffle_seed is not None:
-            ds = ds.shuffle(seed=shuffle_seed, buffer_size=10_000)
-        rows = iter(ds)
-        first = next(rows, None)
-    except DatasetError:
-        raise
-    except Exception as e:  # datasets raises many kinds; all mean the same thing here
-        raise DatasetError(f"cannot open dataset '{name_or_path}': {one_line(e)}") from None
-    if first is None:
-        raise DatasetError(f"dataset '{name_or_path}' (split {split}) has no rows")
-    return reading_errors(itertools.chain([first], rows), name_or_path)
+    if os.path.isfile(name_or_path):
+        ext = os.path.splitext(name_or_path)[1].lower()
+        if ext not in FILE_BUILDERS:
+            expected = ", ".join((*JSON_SUFFIXES, *FILE_BUILDERS))
+            raise DatasetError(f"{name_or_path}: unsupported file type '{ext}' (expected one of {expected})")
+        builder, read_size = FILE_BUILDERS[ext]
+        ds = datasets.load_dataset(builder, data_files=name_or_path, split=split, streaming=True,
+                                   **read_size)
+    else:
+        ds = datasets.load_dataset(name_or_path, split=split, streaming=True)
+    if shuffle_seed is not None:
+        ds = ds.shuffle(seed=shuffle_seed, buffer_size=SHUFFLE_BUFFER)
+    return iter(ds)
 
 
 def reading_errors(rows, name):
@@ -90,48 +140,20 @@ def one_line(e):
 
 
 def take_shard(rows, n=None, shard=(0, 1)):
-    """(index, row) for the first n rows (all if n is None) whose index mod K == I.
+    """(index, where, row) for the first n rows (all if n is None) whose index mod K == I.
 
     n counts dataset rows before sharding, so K hosts with the same n cover n rows together.
     """
     index, count = shard
-    for i, row in enumerate(rows if n is None else itertools.islice(rows, n)):
+    for i, (where, row) in enumerate(rows if n is None else itertools.islice(rows, n)):
         if i % count == index:
-            yield i, row
+            yield i, where, row
 
 
 def shard_size(n, shard):
     """How many of the first n rows fall in the shard."""
     index, count = shard
     return max(0, (n - index + count - 1) // count)
-
-
-def row_messages(row):
-    """The row's conversation as [{"role", "content"}], roles normalised; RowError if malformed."""
-    if row.get("messages") is not None:
-        raw, role_key, content_key = row["messages"], "role", "content"
-    elif row.get("conversations") is not None:
-        raw, role_key, content_key = row["conversations"], "from", "value"
-    elif row.get("prompt") is not None:
-        raw, role_key, content_key = [{"role": "user", "content": row["prompt"]}], "role", "content"
-    else:
-        raise RowError("no messages, conversations or prompt column")
-    if not isinstance(raw, list):
-        raise RowError(f"conversation is a {type(raw).__name__}, not a list")
-    if not raw:
-        raise RowError("empty conversation")
-    messages = []
-    for k, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise RowError(f"message {k} is a {type(m).__name__}, not an object")
-        role = ROLE_ALIASES.get(m.get(role_key))
-        if role is None:
-            raise RowError(f"message {k} has unknown role {m.get(role_key)!r}")
-        content = m.get(content_key)
-        if not isinstance(content, str):
-            raise RowError(f"message {k} content is {type(content).__name__}, not a string")
-        messages.append({"role": role, "content": content})
-    return messages
 
 
 def prompt_chunks(messages):
@@ -157,10 +179,10 @@ def prompt_chunks(messages):
 
 def row_id(row, chunks=None):
     """The row's stable id: its id column if set, else a hash of its prompt messages (the raw row
-    for a malformed one), so re-runs and other hosts name the same row the same way."""
-    given = row.get("id")
+    or line for a malformed one), so re-runs and other hosts name the same row the same way."""
+    given = row.get("id") if isinstance(row, dict) else None
     if given is not None and str(given) != "":
         return str(given)
-    basis = chunks if chunks is not None else row
+    basis = chunks if chunks is not None else row.text if isinstance(row, UnreadableRow) else row
     text = json.dumps(basis, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]

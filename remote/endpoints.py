@@ -36,7 +36,8 @@ class Failure(Exception):
     """A request that did not produce a completion.
 
     kind: "connection" (refused, reset, dropped: says nothing about the row), "retryable"
-    (timeout, 408/409/429/5xx) or "fatal" (any other 4xx, or a malformed answer: retrying won't help).
+    (timeout, 408/409/429/5xx, a reply that is not a chat completion) or "fatal" (any other 4xx:
+    retrying won't help).
     """
 
     def __init__(self, kind, message, status=None):
@@ -45,7 +46,9 @@ class Failure(Exception):
 
 
 def classify(e):
-    """Map an openai exception to a Failure."""
+    """Map an exception of a request (the SDK's, or a Failure of its reply) to a Failure."""
+    if isinstance(e, Failure):
+        return e
     if isinstance(e, openai.APITimeoutError):
         return Failure("retryable", "timeout")
     if isinstance(e, openai.APIConnectionError):
@@ -57,6 +60,8 @@ def classify(e):
         return Failure(kind, f"HTTP {status}: {' '.join(str(e.message).split())}"[:300], status)
     if isinstance(e, openai.OpenAIError):  # e.g. an answer that does not parse
         return Failure("fatal", f"{type(e).__name__}: {e}"[:300])
+    if isinstance(e, ValueError):  # the SDK parsing a body sent as application/json that is not JSON
+        return Failure("retryable", f"malformed reply: the body is not JSON ({e})"[:300])
     raise e
 
 

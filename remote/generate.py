@@ -21,10 +21,13 @@ rows in errors.jsonl. Rows sharing an id (the same prompt, when ids are hashes) 
 A row whose turn was cut by --max-tokens ends there and is marked truncated. Memory stays flat:
 rows stream in, and only as many are held as there are request slots (plus the set of done ids).
 
+A reply that is not a well-typed chat completion is a failed attempt of its row, retried like a
+5xx and then recorded in errors.jsonl; a dataset line that does not parse is its row's error there.
+
 Exit codes: 0 done (some rows may be in errors.jsonl), 1 the dataset failed mid-way, 2 bad input
-(arguments, dataset, output directory, or an endpoint that refuses to list its models), 3 every
-endpoint failed for --give-up-after seconds, 130/143 interrupted by SIGINT/SIGTERM. Completed rows
-are kept in every case. A progress line `specops-progress {json}` goes to stdout every few seconds.
+(arguments, dataset, output directory, an endpoint that refuses to list its models, or a dataset
+none of whose first 256 rows is in a shape read here), 3 every endpoint failed for --give-up-after
+seconds, 130/143 interrupted by SIGINT/SIGTERM. Completed rows are kept in every case. A progress line `specops-progress {json}` goes to stdout every few seconds.
 """
 import argparse
 import asyncio
@@ -36,14 +39,15 @@ import signal
 import sys
 import time
 
-from datasets_io import (DatasetError, RowError, open_rows, prompt_chunks, row_id, row_messages,
-                         shard_size, take_shard)
+from conversations import SHAPES, shape_of
+from datasets_io import (DatasetError, RowError, UnreadableRow, open_rows, prompt_chunks, row_id,
+                         row_messages, shard_size, take_shard)
 from endpoints import EndpointPool, Failure, backoff_s, classify
 from run_files import RunDirError, RunFiles
 
 PROGRESS_EVERY_S = 5.0
 ROW_RETRY_BASE_S, ROW_RETRY_CAP_S = 1.0, 60.0
-READ_BATCH = 256  # rows read from the dataset per hop to the reader thread
+READ_BATCH = 256  # rows per hop to the reader thread; the first batch decides the shape
 START_RAMP_S = 1.0
 
 
@@ -118,20 +122,50 @@ def sampling_params(args):
     return params
 
 
+class Malformed(Failure):
+    """A reply that is not the chat completion the API promises. Another attempt may well get a good
+    one (a proxy's hiccup, a server bug on one batch), so it is retried like a 5xx, then recorded."""
+
+    def __init__(self, why):
+        super().__init__("retryable", f"malformed reply: {why}")
+
+
 def split_reasoning(message):
     """(reasoning, content) of a reply's message (JSON), whitespace exactly as the model wrote it.
 
     Reasoning parsers put the thinking in `reasoning` (vLLM since late 2025) or `reasoning_content`
     (before); without a parser it is inline in the content as <think>...</think>.
+    Raises Malformed when either is there but not a string.
     """
     content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise Malformed(f"message.content is {type(content).__name__}, not a string")
     for field in ("reasoning", "reasoning_content"):
         if message.get(field) is not None:
+            if not isinstance(message[field], str):
+                raise Malformed(f"message.{field} is {type(message[field]).__name__}, not a string")
             return message[field], content
     if content and "</think>" in content:
         head, _, answer = content.partition("</think>")
         return head.split("<think>", 1)[-1], answer
     return None, content
+
+
+def read_reply(reply):
+    """(reasoning, content, finish_reason, usage) of a chat completion, every field checked for the
+    type the API gives it: nothing the server sends can crash the run or reach data.jsonl wrongly typed."""
+    if not isinstance(reply, dict):
+        raise Malformed(f"the body is {type(reply).__name__}, not a JSON object")
+    choices = reply.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise Malformed(f"no choices[0] object in {json.dumps(reply)[:200]}")
+    message, finish_reason = choices[0].get("message"), choices[0].get("finish_reason")
+    if not isinstance(message, dict):
+        raise Malformed(f"choices[0].message is {type(message).__name__}, not an object")
+    if finish_reason is not None and not isinstance(finish_reason, str):
+        raise Malformed(f"finish_reason is {type(finish_reason).__name__}, not a string")
+    reasoning, content = split_reasoning(message)
+    return reasoning, content, finish_reason, usage(reply.get("usage"))
 
 
 class Stats:
@@ -194,7 +228,7 @@ class Generator:
         self.params = sampling_params(args)
 
     async def ask(self, messages):
-        """One assistant turn: (message, finish_reason, usage, latency_s, endpoint URL).
+        """One assistant turn: (reasoning, content, finish_reason, usage, latency_s, endpoint URL).
 
         Retried as the failure allows; raises Failure when out of retries or on a fatal one.
         """
@@ -209,6 +243,7 @@ class Generator:
                 reply = await endpoint.client.post(
                     "/chat/completions", cast_to=dict,
                     body={"model": self.model, "messages": messages, **self.params})
+                answer = read_reply(reply)
             except Exception as e:
                 failure = classify(e)
                 await self.pool.release(endpoint, failure)
@@ -225,14 +260,7 @@ class Generator:
                 continue
             latency = time.monotonic() - started
             await self.pool.release(endpoint)
-            try:
-                choice = reply["choices"][0]
-                return choice["message"], choice["finish_reason"], reply.get("usage"), latency, \
-                    endpoint.url
-            except (KeyError, IndexError, TypeError, AttributeError):
-                failure = Failure("fatal", f"malformed reply: {json.dumps(reply)[:200]}")
-                failure.attempts = attempts
-                raise failure from None
+            return (*answer, latency, endpoint.url)
 
     async def run_row(self, rid, source, chunks):
         """Generate every turn of one row, then append it (or its error) in one write."""
@@ -241,16 +269,15 @@ class Generator:
             sent += chunk
             messages += chunk
             try:
-                message, finish_reason, use, latency, url = await self.ask(sent)
+                reasoning, content, finish_reason, use, latency, url = await self.ask(sent)
             except Failure as f:
                 self.stats.errors += 1
                 self.files.add_error({"id": rid, "error": str(f), "attempts": f.attempts,
                                       "status": f.status, "turn": len(turns)})
                 return
-            reasoning, content = split_reasoning(message)
             messages.append({"role": "assistant", "content": content, "reasoning": reasoning})
             sent.append({"role": "assistant", "content": content or ""})
-            turns.append({"finish_reason": finish_reason, "usage": usage(use),
+            turns.append({"finish_reason": finish_reason, "usage": use,
                           "latency_s": round(latency, 3), "endpoint": url})
             self.count_turn(turns[-1]["usage"], content, finish_reason)
             if finish_reason == "length":  # later turns would build on a cut-off answer
@@ -279,10 +306,17 @@ class Generator:
 
 
 def usage(u):
-    """The token counts of a reply's usage object (any may be missing: None)."""
-    u = u or {}
-    return {"prompt_tokens": u.get("prompt_tokens"), "completion_tokens": u.get("completion_tokens"),
-            "reasoning_tokens": (u.get("completion_tokens_details") or {}).get("reasoning_tokens")}
+    """The token counts of a reply's usage object (any may be missing: None; Malformed if not a count)."""
+    u = {} if u is None else u
+    details = u.get("completion_tokens_details") if isinstance(u, dict) else None
+    if not isinstance(u, dict) or not isinstance(details or {}, dict):
+        raise Malformed(f"usage is not an object: {json.dumps(u)[:100]}")
+    counts = {"prompt_tokens": u.get("prompt_tokens"), "completion_tokens": u.get("completion_tokens"),
+              "reasoning_tokens": (details or {}).get("reasoning_tokens")}
+    for name, count in counts.items():
+        if count is not None and (type(count) is not int or count < 0):
+            raise Malformed(f"usage.{name} is {json.dumps(count)[:40]}, not a token count")
+    return counts
 
 
 async def discover_model(pool, give_up_after):
@@ -318,8 +352,31 @@ async def until_stopped(awaitable, stop):
     return None
 
 
-EXIT_CODES = {None: 0, "dataset failed": 1, "bad endpoint": 2, "gave up": 3, "interrupted": 130,
-              "terminated": 143}
+EXIT_CODES = {None: 0, "dataset failed": 1, "bad endpoint": 2, "bad dataset": 2, "gave up": 3,
+              "interrupted": 130, "terminated": 143}
+
+
+def row_chunks(row):
+    """The row's prompt chunks (see prompt_chunks); RowError when it has none to give."""
+    if isinstance(row, UnreadableRow):
+        raise row
+    return prompt_chunks(row_messages(row))
+
+
+def shape_refusal(dataset, rows):
+    """None if any of rows [(index, where, row)] is usable, else the one line that refuses the
+    dataset: the shapes read, and the shape of the first row with why it is refused."""
+    first = None
+    for index, where, row in rows:
+        try:
+            row_chunks(row)
+            return None
+        except RowError as e:
+            first = first or (where or f"row {index}", row, e)
+    where, row, error = first
+    seen = "a line that is not JSON" if isinstance(row, UnreadableRow) else shape_of(row)
+    return (f"none of the first {len(rows)} rows of {dataset} is a conversation generate reads: "
+            f"expected {SHAPES}; saw {seen} ({where}: {error})")
 
 
 async def run(args, files, rows, total):
@@ -350,13 +407,13 @@ async def run(args, files, rows, total):
                 progress_line(stats.progress(pool.in_flight))
                 files.write_stats(stats.summary(pool, "running"))
 
-    def admit(row, seen):
+    def admit(where, row, seen):
         """The work item for a row, or None when it is malformed, done already or a duplicate."""
         try:
-            chunks = prompt_chunks(row_messages(row))
+            chunks = row_chunks(row)
         except RowError as e:
-            files.add_error({"id": row_id(row), "error": str(e), "attempts": 0, "status": None,
-                             "turn": None})
+            error = {"id": row_id(row), "error": str(e), "attempts": 0, "status": None, "turn": None}
+            files.add_error({**error, "line": where} if where else error)
             stats.malformed += 1
             return None
         rid = row_id(row, chunks)
@@ -374,10 +431,15 @@ async def run(args, files, rows, total):
         try:
             while batch := await asyncio.to_thread(next, batches, []):
                 read += len(batch)
-                for _, row in batch:
-                    if item := admit(row, seen):
+                for _, where, row in batch:
+                    if item := admit(where, row, seen):
                         await queue.put(item)
-            stats.total = read  # now known exactly, even if --n was more than the dataset has
+                if stats.malformed == read == len(batch):  # not one row of the first batch is usable
+                    print(f"generate: {shape_refusal(args.dataset, batch)}", file=sys.stderr, flush=True)
+                    outcome["why"] = "bad dataset"
+                    break
+            else:
+                stats.total = read  # now known exactly, even if --n was more than the dataset has
         except DatasetError as e:
             print(f"generate: {e}", file=sys.stderr, flush=True)
             outcome["why"] = "dataset failed"  # rows already in flight still finish
@@ -441,6 +503,8 @@ def main(argv=None):
         rows = take_shard(open_rows(args.dataset, args.split, args.seed if args.shuffle else None),
                           args.n, args.shard)
         if args.check:
+            if refusal := shape_refusal(args.dataset, list(itertools.islice(rows, READ_BATCH))):
+                return fail(refusal)
             return asyncio.run(check_endpoints(args))
         files = RunFiles(args.out)
     except (DatasetError, RunDirError) as e:
