@@ -45,6 +45,15 @@ def progress(**fields):
     print("specops-progress " + json.dumps(fields, separators=(",", ":")), flush=True)
 
 
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def process_group_backend(use_cuda: bool) -> str:
+    """NCCL takes CUDA tensors only: the group also gets gloo for whatever a collective sends from the CPU."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target model (HF directory or name)")
@@ -286,8 +295,9 @@ def main(argv=None):
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+    distributed = launched_by_torchrun()
+    if distributed:  # even at world size 1: a one-GPU machine then runs the NCCL path the 8-GPU job runs
+        dist.init_process_group(process_group_backend(use_cuda))
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)
     dtype = torch.bfloat16 if bf16 else torch.float32
     writer = local_rank == 0  # one writer per host: multi-node runs keep a full copy on every node
@@ -373,7 +383,7 @@ def main(argv=None):
         if writer:
             truncate_metrics(metrics_path, start_step)
         progress(stage="resume", step=start_step, steps=total_steps)
-    model = torch.nn.parallel.DistributedDataParallel(draft) if world > 1 else draft
+    model = torch.nn.parallel.DistributedDataParallel(draft) if distributed else draft
 
     # Loop.
     if stream:
@@ -406,9 +416,10 @@ def main(argv=None):
         sched.step()
 
         totals = torch.cat([loss.detach().float().view(1), correct.float(), counted.float(),
-                            attention.sum().float().view(1), torch.tensor([float(len(index))], device=device)]).cpu()
-        if world > 1:
-            dist.all_reduce(totals)
+                            attention.sum().float().view(1), torch.tensor([float(len(index))], device=device)])
+        if distributed:
+            dist.all_reduce(totals)  # on the model's device: the group's NCCL side refuses CPU tensors
+        totals = totals.cpu()
         k = args.ttt_steps
         acc = (totals[1 : 1 + k] / totals[1 + k : 1 + 2 * k].clamp(min=1)).tolist()
         tokens, batch_samples = int(totals[-2]), int(totals[-1])
@@ -438,7 +449,7 @@ def main(argv=None):
     if writer:
         card = model_card(args, target, stats, V, len(vocab_ids), target.aux_layer_ids, total_steps, metrics)
         export(draft, os.path.join(args.out, "draft"), dtype, card)
-    if world > 1:
+    if distributed:
         dist.destroy_process_group()
     progress(stage="done", steps=total_steps, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
              sim_al=metrics.get("sim_al"), draft=os.path.join(args.out, "draft"))

@@ -229,3 +229,88 @@ def test_bad_input_is_one_line_and_exit_2(tiny_model, generated_data, trained_ru
                           "--aux-layers", "0,1,3", check=False)
     assert too_deep.returncode == 2 and "aux layer ids [0, 1, 3]" in too_deep.stderr
     assert "Traceback" not in too_deep.stderr
+
+
+# ---------------------------------------------------------------- distributed
+
+PROBE = """
+import atexit, json, os, runpy, sys
+import torch, torch.distributed as dist
+
+seen = {"groups": [], "collectives": [], "model_devices": []}
+_cpu = torch.Tensor.cpu
+
+
+def cpu(self, *a, **k):  # on a CPU machine .cpu() is the tensor itself: mark it, a collective then sees the mark
+    out = _cpu(self, *a, **k)
+    out._moved_to_cpu = True
+    return out
+
+
+def watch(name, fn):
+    def wrapped(tensor, *a, **k):
+        seen["collectives"].append({"op": name, "device": str(tensor.device),
+                                    "moved_to_cpu": bool(getattr(tensor, "_moved_to_cpu", False))})
+        return fn(tensor, *a, **k)
+    return wrapped
+
+
+_init = dist.init_process_group
+
+
+def init(backend=None, *a, **k):
+    seen["groups"].append(backend)
+    return _init(backend, *a, **k)
+
+
+_ddp = torch.nn.parallel.DistributedDataParallel.__init__
+
+
+def ddp(self, module, *a, **k):
+    seen["model_devices"].append(str(next(module.parameters()).device))
+    return _ddp(self, module, *a, **k)
+
+
+torch.Tensor.cpu = cpu
+dist.init_process_group = init
+for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    setattr(dist, name, watch(name, getattr(dist, name)))
+torch.nn.parallel.DistributedDataParallel.__init__ = ddp
+atexit.register(lambda: open(os.environ["PROBE_OUT"], "w").write(json.dumps(seen)))
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def chat_rows(path, n=12):
+    """A few conversations in OpenAI `messages` form (no server needed)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"What is {i} + {i + 3}?"},
+                {"role": "assistant", "content": f"{i} + {i + 3} = {2 * i + 3}. Count on from {i}: "
+                                                 + " ".join(str(i + j) for j in range(1, 4)) + "."}]}) + "\n")
+    return path
+
+
+def test_torchrun_at_world_size_one_starts_the_group_and_reduces_on_the_models_device(tiny_model, tmp_path):
+    """What one H200 can show of the 8-GPU path: torchrun with one process still runs the process group,
+    DDP and the metrics all-reduce, and no collective is handed a tensor copied to the CPU (NCCL refuses
+    those: the first metrics all-reduce of a multi-GPU run died so)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(probe),
+           str(REMOTE / "train.py"), "--target", str(tiny_model), "--data", str(chat_rows(tmp_path / "chat.jsonl")),
+           "--out", str(tmp_path / "run"), "--steps", "3", "--batch-tokens", "512", "--ttt-steps", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PROBE_OUT": str(out)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert len(seen["groups"]) == 1 and seen["model_devices"] == ["cpu"]
+    metric_reduces = [c for c in seen["collectives"] if c["op"] == "all_reduce"]
+    assert len(metric_reduces) >= 3  # one per step
+    for c in seen["collectives"]:
+        assert c["device"] == seen["model_devices"][0] and not c["moved_to_cpu"], c
+    assert len(metrics(tmp_path / "run")) == 3
