@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import artifacts, fanout, runs, service, watch
+from . import artifacts, fanout, runs, service, urls, watch
 from .errors import SpecopsError
 from .host import Session, quote
 from .servicefiles import Layout
@@ -34,9 +34,7 @@ def script(session: Session, name: str) -> list[str]:
 
 def endpoint_url(session: Session) -> str:
     """The host's own vLLM, as seen from the host (jobs run there, next to it)."""
-    host = session.host
-    address = "127.0.0.1" if host.bind in ("0.0.0.0", "::", "localhost") else host.bind
-    return f"http://{address}:{host.port}"
+    return urls.server_url(session.host.bind, session.host.port)
 
 
 def model_path(session: Session) -> str:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import fanout
+from . import fanout, urls
 from . import secrets as secrets_mod
 from .errors import SpecopsError
 from .host import Session, connect
@@ -132,8 +132,7 @@ def endpoint(session: Session) -> str:
     host = session.host
     if LOOPBACK.match(host.bind) and not host.is_local:
         return f"http://127.0.0.1:{host.port}/v1 on {host.name} (inv tunnel --on {host.name})"
-    address = host.address if not host.is_local and host.bind in ("0.0.0.0", "::") else "127.0.0.1"
-    return f"http://{address}:{host.port}/v1"
+    return urls.server_url(host.bind, host.port, host_address=None if host.is_local else host.address, path="/v1")
 
 
 def print_tail(host_name: str, text: str, secrets: dict[str, str], out=None) -> None:

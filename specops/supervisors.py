@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import urls
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .servicefiles import Layout, Policy, Rendered
@@ -82,9 +83,8 @@ class Supervisor:
     def probe_config(self, model: str, timeout: float = 0, tail_lines: int = 50) -> dict:
         """What remote/service_probe.py needs to find this service on the host (no secrets)."""
         h, L = self.session.host, self.layout
-        address = "127.0.0.1" if h.bind in ("0.0.0.0", "::", "localhost") else h.bind
         return {"supervisor": self.name, "unit": self.layout.unit_name, "sudo": self.facts.uid != 0,
-                "url": f"http://{'[' + address + ']' if ':' in address else address}:{h.port}",
+                "url": urls.server_url(h.bind, h.port),
                 "model": model, "env_file": L.env_file, "log_file": L.log_file, "pid_file": L.pid_file,
                 "supervisor_pid_file": L.supervisor_pid_file, "state_file": L.state_file,
                 "tail_argv": self.log_argv(tail_lines, follow=False), "timeout": timeout, "interval": 0.25}
