@@ -15,11 +15,16 @@ exits non-zero::
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from . import untrusted
 from .errors import SpecopsError
@@ -77,15 +82,30 @@ def report(outcomes: list[Outcome], *, as_json: bool = False, out=None) -> int:
 
 
 def print_table(rows: list[dict], out=None) -> None:
+    """Rows as a table with a column per key (first seen first), drawn with rich.
+
+    On a terminal, rich fits it to the width (long cells wrap within their column, the header
+    is bold); anywhere else every row is one line of plain text, columns two spaces apart, so
+    scripts and CI logs can read it.
+    """
     out = out or sys.stdout
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
-    cells = [[_cell(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip(), file=out)
-    for r in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip(), file=out)
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*(Text(_cell(r.get(c, ""))) for c in columns))  # Text: no markup read from cells
+    console = Console(file=out, highlight=False, emoji=False)
+    if console.is_terminal:
+        console.print(table)
+    else:
+        plain = Console(file=io.StringIO(), width=1 << 20, highlight=False, emoji=False, color_system=None)
+        with plain.capture() as captured:
+            plain.print(table)
+        for line in captured.get().splitlines():
+            print(line.rstrip(), file=out)
     out.flush()
 
 

@@ -8,11 +8,13 @@ so they work the same for a run started a minute or a week ago, from any machine
     gpu1  ok      active (running), health ok  8x 97% 1061/1128 GiB
     gpu2  FAILED                                                     gpu2: unreachable: connecting to ...
     host  run                       state    exit  age    progress
-    gpu1  generate-20261202-130501  running  -     1h02m  done=5200 total=10000 req_s=1.4
+    gpu1  generate-20261202-130501  running  -     1h02m  5200/10000 rows (52%) · 1.4 rows/s · ETA 1h02m
 
 `logs --follow` polls the log once a second over the open connection (a bounded command
 each time, so a cut link ends it with an error instead of a hang) and stops when the run
-ends; Ctrl-C stops the following, never the run.
+ends; Ctrl-C stops the following, never the run. The run's machine progress lines
+(``specops-progress {json}``) become one progress line per host (specops.progress), live on a
+terminal; everything a host wrote is cleaned before it is shown (specops.untrusted).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from . import fanout, service, untrusted
+from . import fanout, progress, service, untrusted
 from .errors import HostError, SpecopsError
 from .host import Session, connect, quote
 from .inventory import Host
@@ -33,6 +35,7 @@ from .servicefiles import Layout
 STATUS_TIMEOUT = 30
 POLL_S = 1.0
 CHUNK = 4 << 20  # most log bytes fetched per poll
+PLAIN_PROGRESS_EVERY = 30  # seconds between a host's progress lines when the output is not a terminal
 
 # ---------------------------------------------------------------- status
 
@@ -114,8 +117,8 @@ def status(hosts: list[Host], run_id: str | None = None, *, last: int = 10, as_j
                             for o in outcomes], out=out)
         if found:
             fanout.print_table([{"host": name, "run": r["run"], "state": r["state"], "exit": r["exit"],
-                                 "age": _age(r["age_s"]), "progress": _progress_text(r["progress"])}
-                                for name, r in found], out=out)
+                                 "age": progress.duration(r["age_s"]),
+                                 "progress": progress.describe(r["progress"])[0]} for name, r in found], out=out)
     if run_id and not found and all(o.ok for o in outcomes):
         raise SpecopsError(f"no run {run_id} on {', '.join(h.name for h in hosts)}")
     code = 1 if any(not o.ok for o in outcomes) else 0
@@ -149,22 +152,6 @@ def _cleaned(value, secrets):
     if isinstance(value, list):
         return [_cleaned(v, secrets) for v in value]
     return value
-
-
-def _progress_text(progress) -> str:
-    if isinstance(progress, dict):
-        return " ".join(f"{k}={v}" for k, v in progress.items())
-    return progress or "-"
-
-
-def _age(seconds: int) -> str:
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 # ---------------------------------------------------------------- logs
@@ -210,13 +197,15 @@ def poll_log(session: Session, run_id: str, offset: int | None, lines: int = 50)
 
 
 class _Printer:
-    """Writes whole lines, cleaned (:mod:`specops.untrusted`), prefixed with the host name when
-    several hosts are shown; thread-safe."""
+    """Turns each host's log bytes into what a person reads, through a :class:`progress.Board`:
+    whole lines, cleaned (:mod:`specops.untrusted`), prefixed with the host name when several
+    hosts are shown; machine progress lines become the host's progress line instead. Thread-safe."""
 
-    def __init__(self, prefixed: bool, out):
-        self.prefixed, self.out, self.lock = prefixed, out, threading.Lock()
+    def __init__(self, prefixed: bool, board: progress.Board):
+        self.prefixed, self.board, self.lock = prefixed, board, board.lock
         self.partial: dict[str, bytes] = {}
         self.secrets: dict[str, list] = {}  # per host: the secrets to redact
+        self.stage: dict[str, object] = {}
 
     def feed(self, host: str, data: bytes, final: bool = False) -> None:
         buf = self.partial.get(host, b"") + data
@@ -224,11 +213,21 @@ class _Printer:
         if final and rest:
             lines, rest = lines + [rest], b""
         self.partial[host] = rest
+        prefix = f"{host}| " if self.prefixed else ""
         with self.lock:
             for line in lines:
                 text = untrusted.clean(line.decode("utf-8", "replace"), self.secrets.get(host))
-                print(f"{host}| {text}" if self.prefixed else text, file=self.out)
-            self.out.flush()
+                m = progress.MACHINE_LINE.search(text)
+                parsed = _progress(m.group(1)) if m else None
+                if not isinstance(parsed, dict):
+                    self.board.print(prefix + text)
+                    continue
+                if text[:m.start()].strip():  # e.g. a bar the script drew before it, without a newline
+                    self.board.print(prefix + text[:m.start()].rstrip())
+                parsed = _cleaned(parsed, self.secrets.get(host))
+                described, fraction = progress.describe(parsed)
+                stage, self.stage[host] = self.stage.get(host), parsed.get("stage")
+                self.board.set(host, described, fraction, changed=stage != parsed.get("stage"))
 
 
 def logs(hosts: list[Host], run_id: str, *, lines: int = 50, follow: bool = False, out=None) -> int:
@@ -239,7 +238,8 @@ def logs(hosts: list[Host], run_id: str, *, lines: int = 50, follow: bool = Fals
     """
     check_run_id(run_id)
     out = out or sys.stdout
-    printer = _Printer(len(hosts) > 1, out)
+    board = progress.Board(out, live=None if follow else False, every=PLAIN_PROGRESS_EVERY)
+    printer = _Printer(len(hosts) > 1, board)
     stop = threading.Event()
     results: dict[str, Poll] = {}
     errors: dict[str, str] = {}
@@ -277,8 +277,10 @@ def logs(hosts: list[Host], run_id: str, *, lines: int = 50, follow: bool = Fals
         stop.set()
         for t in threads:
             t.join()
+        board.close()
         print(f"stopped following; run {run_id} goes on (`inv stop {run_id}` stops it)", file=sys.stderr)
         return 130
+    board.close()
     if not results and not errors:
         raise SpecopsError(f"no run {run_id} on {', '.join(h.name for h in hosts)}")
     if not follow:

@@ -12,6 +12,7 @@ from pathlib import Path
 from specops import untrusted
 from tests.hostbed import write_inventory
 from tests.invoke_cli import inv
+from tests.test_runs import prepare, start, wait_for
 
 os.environ["SPECOPS_SSH_CONFIG"] = "none"
 
@@ -35,7 +36,7 @@ HOSTILE_LOG = (
 )
 SHOWN = ["step 1 ok", "screen cleared", "clipboard set", "title set", "c1 csi", "reset",
          "token <HF_TOKEN> and <HF_TOKEN>", "split <HF_TOKEN>", "tqdm 100%", "reversed",
-         'specops-progress {"done": 3, "total": 9, "note": "\\u001b[2J<HF_TOKEN>"}']
+         "{host}: 3/9 rows (33%) · note=<HF_TOKEN>"]  # the progress line, in words
 
 
 def hostile_run(host, run_id: str, log: bytes) -> Path:
@@ -66,12 +67,12 @@ def test_logs_and_status_never_pass_escapes_or_secrets_from_a_hostile_run(tmp_pa
         proc = inv(*args, "--on", "bed", inventory=path, env=env)
         assert proc.returncode == 0, proc.stderr
         assert_safe(proc.stdout + proc.stderr)
-        assert proc.stdout.splitlines() == SHOWN
+        assert proc.stdout.splitlines() == [line.format(host=ssh_host.name) for line in SHOWN]
 
     proc = inv("status", "--on", "bed", inventory=path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert_safe(proc.stdout + proc.stderr)
-    assert re.search(r"hostile\s+succeeded.*done=3 total=9 note=<HF_TOKEN>", proc.stdout), proc.stdout
+    assert re.search(r"hostile\s+succeeded.*3/9 rows \(33%\) · note=<HF_TOKEN>", proc.stdout), proc.stdout
     assert re.search(r"named\s+succeeded", proc.stdout), proc.stdout
 
     proc = inv("status", "--run", "hostile", "--on", "bed", "--json", inventory=path, env=env)
@@ -86,3 +87,78 @@ def test_clean_keeps_text_and_drops_what_acts_on_a_terminal():
     assert untrusted.clean("torn \x1b]52;c;AAAA") == "torn "  # an unterminated OSC eats the rest
     assert untrusted.clean("crlf\r") == "crlf" and untrusted.clean("\r") == ""
     assert untrusted.clean("key=abcdef ab", [("A", "ab"), ("B", "abcdef")]) == "key=<B> <A>"
+
+
+# Prints N log lines, each followed by a progress line, PAUSE seconds apart.
+PROGRESS_WRITER = """
+import json, sys, time
+n, pause = int(sys.argv[1]), float(sys.argv[2])
+for done in range(1, n + 1):
+    print(f"log line {done}", flush=True)
+    print("specops-progress " + json.dumps({"done": done, "total": n, "rows_s": 2.0, "eta_s": n - done}), flush=True)
+    time.sleep(pause)
+"""
+
+
+def test_logs_follow_piped_shows_progress_in_words_never_machine_lines(tmp_path, ssh_host):
+    path, [host] = prepare(tmp_path, [ssh_host])
+    run_id = start([host], PROGRESS_WRITER, 6, 0)
+    wait_for(host, run_id, {"succeeded"})
+    proc = inv("logs", run_id, "--on", "bed", "--follow", inventory=path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "specops-progress" not in proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("log line")] == [f"log line {i}" for i in range(1, 7)]
+    assert lines[-1] == f"{host.name}: 6/6 rows (100%) · 2.0 rows/s · ETA 0s", proc.stdout
+    assert len(lines) <= 6 + 2  # the first and the final progress line at most, not one per machine line
+
+
+def test_logs_follow_on_a_terminal_redraws_one_live_line(tmp_path, ssh_host):
+    path, [host] = prepare(tmp_path, [ssh_host])
+    run_id = start([host], PROGRESS_WRITER, 8, 0.5)
+    raw = run_in_pty(["logs", run_id, "--on", "bed", "--follow"], path)
+    text = raw.decode("utf-8", "replace")
+    assert "specops-progress" not in text
+    assert "\r\x1b[2K" in text  # rich moves back over the live line and erases it before each redraw
+    shown = re.findall(r"(\d)/8 rows", text)
+    assert len(set(shown)) >= 3 and shown[-1] == "8", shown  # the same line, redrawn as the run moves
+    for i in range(1, 9):  # log lines are printed above the live line, once each
+        assert text.count(f"log line {i}\r\n") == 1, text
+
+
+def run_in_pty(args, inventory, timeout=60) -> bytes:
+    """`inv ARGS` with stdout and stderr on a pseudo-terminal (120x30, TERM=xterm); everything it wrote."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+
+    from tests.invoke_cli import REPO
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
+    env = {**os.environ, "SPECOPS_INVENTORY": str(inventory), "SPECOPS_SSH_CONFIG": "none", "TERM": "xterm",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer has closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        proc.kill() if proc.poll() is None else None
+        proc.wait()
+        os.close(master)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks)
