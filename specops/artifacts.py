@@ -3,6 +3,11 @@
     artifacts/<run-id>/<host>/        the run directory as the host has it (rsync --partial; SFTP fallback)
     artifacts/<run-id>/merged.jsonl   a sharded run's data.jsonl records from all its hosts, each id once
 
+A host decides what is in its run directory, never where a pull writes: the run id it reports
+(the newest run) passes the same check as one typed here, meta.json's shard must be a shard spec,
+and every path in the manifest must lie inside DEST/<run-id>/<host>/ (specops.transfer's rules)
+before anything there is read or deleted. A manifest that names anything else fails the row.
+
 A copy is trusted only when it matches the manifest the run wrote when it ended
 (remote/manifest.py --verify). Files that do not match are fetched afresh once (a copy
 damaged here heals); a file that still differs (damaged on the host, or in transit) fails
@@ -23,14 +28,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from . import fanout, transfer
+from . import plan as plans
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
-from .runs import LIVE_PID, check_run_id, run_dir, runs_dir, tmux_session
+from .runs import LIVE_PID, RUN_ID, check_run_id, run_dir, runs_dir, tmux_session
+from .servicefiles import SERVICE
 
 MERGED = "merged.jsonl"
 
@@ -54,14 +62,16 @@ cat "$d/meta.json"
 """
 
 _NEWEST = """
-for m in {runs}/*/meta.json; do stat -c '%Y %n' "$m" 2>/dev/null; done | sort -n | tail -n 1
+cd {runs} 2>/dev/null || exit 0
+for m in */meta.json; do stat --printf '%Y %n\\0' -- "$m" 2>/dev/null; done
 """
+SHARD_SPEC = re.compile(r"^\d{1,6}/\d{1,6}(,\d{1,6}/\d{1,6}){0,255}$")  # "I/K" pairs (specops.plan); bounded
 
 
 def pull(hosts: list[Host], run_id: str | None = None, dest: str = "artifacts", out=None) -> int:
     """`inv pull`: copy and verify the run from each host, then merge a sharded run's records."""
     out = out or sys.stdout
-    run_id = check_run_id(run_id) if run_id else newest_run(hosts)
+    run_id = check_run_id(run_id or newest_run(hosts))  # one read back from a host is checked the same
     outcomes = fanout.each(hosts, pull_host, run_id, dest)
     code = fanout.report(outcomes, out=out)
     return max(code, merge_shards(Path(dest) / run_id, outcomes, out))
@@ -78,27 +88,47 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
     if not r.ok:
         raise HostError(f"{name}: cannot read run {run_id}: {r.stderr.strip()}")
     pid, _, meta_text = r.stdout.partition("\n")
-    meta = json.loads(meta_text)
+    shard = shard_of(meta_text, f"{name}: {run_id}/meta.json")
     local = Path(dest) / run_id / name
     pulled = transfer.pull_dir(session, d, str(local), exclude=manifest.HOST_ONLY)
     running = pid.strip() != "0"
     verified = "no (still running)" if running else "yes"
     problems = [] if running else verify(local)
     if problems:  # a copy damaged here is fetched afresh, once; damage on the host stays and fails
-        damaged = [line.split(": ", 1)[0] for line in problems]
+        damaged = [path for path in listed(local) if any(line.startswith(f"{path}: ") for line in problems)]
         for rel in damaged:
-            (local / rel).unlink(missing_ok=True)
+            path = transfer.inside(local, rel)
+            if path.is_file():
+                path.unlink()
         pulled.files += transfer.pull_dir(session, d, str(local), exclude=manifest.HOST_ONLY).files
         problems = verify(local)
         verified = f"yes (re-fetched {', '.join(damaged)})"
     if problems:
         raise HostError(f"{name}: integrity check failed for {local}: {'; '.join(problems)}")
-    row = {"run": run_id, "shard": meta.get("shard") or "-", "method": pulled.method, "files": pulled.files,
+    row = {"run": run_id, "shard": shard or "-", "method": pulled.method, "files": pulled.files,
            "verified": verified}
-    left = manifest.read(str(local)).get("host_only", {}) if not running else {}
-    if left.get("files"):
+    left = {} if running else manifest.read(str(local)).get("host_only")
+    if isinstance(left, dict) and all(isinstance(left.get(k), int) for k in ("files", "bytes")) and left["files"]:
         row["left on host"] = f"{left['files']} state shards, {decimal_size(left['bytes'])}"
     return row
+
+
+def shard_of(meta_text: str, what: str) -> str | None:
+    """The run's shard spec ("I/K", several joined by ",") from its meta.json; None for an unsharded
+    run; HostError if the host wrote anything else (the merge trusts it to say whose rows are whose)."""
+    try:
+        meta = json.loads(meta_text)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise HostError(f"{what} is not a JSON object; this run directory was not written by specops")
+    shard = meta.get("shard")
+    if shard is None:
+        return None
+    pairs = [p.split("/") for p in shard.split(",")] if isinstance(shard, str) and SHARD_SPEC.match(shard) else []
+    if not pairs or any(int(i) >= int(k) for i, k in pairs):
+        raise HostError(f"{what}: shard {shard!r:.60} is not a shard spec (I/K with 0 <= I < K, several joined by ',')")
+    return shard
 
 
 def decimal_size(n: int) -> str:
@@ -109,17 +139,35 @@ def decimal_size(n: int) -> str:
 
 
 def verify(local_dir: Path) -> list[str]:
-    """Problems of a pulled copy against its manifest, one line per file (empty: all good)."""
+    """Problems of a pulled copy against its manifest, one line per file (empty: all good).
+    HostError if the manifest names a path outside the copy: nothing is checked or deleted then."""
+    for rel in listed(local_dir):
+        transfer.inside(local_dir, rel)
     return manifest.verify(str(local_dir))
+
+
+def listed(local_dir: Path) -> list:
+    """The paths the copy's manifest lists (as the host wrote them: check before use)."""
+    try:
+        entries = manifest.read(str(local_dir))["files"]
+    except (OSError, ValueError):
+        return []  # manifest.verify says what is wrong with it
+    return [e.get("path") for e in entries if isinstance(e, dict)]
 
 
 def newest_run(hosts: list[Host]) -> str:
     """The run started last on any of these hosts (for `inv pull` without RUN)."""
 
     def newest(session: Session) -> dict:
-        line = session.sh(_NEWEST.format(runs=quote(runs_dir(session))), timeout=30).stdout.strip()
-        mtime, _, path = line.partition(" ")
-        return {"mtime": int(mtime), "run": Path(path).parent.name} if line else {}
+        """NUL-separated `MTIME RUN/meta.json` records: a name with a newline cannot forge one. A
+        directory whose name is no run id is not a specops run and is passed over."""
+        found = {}
+        for record in session.sh(_NEWEST.format(runs=quote(runs_dir(session))), timeout=30).stdout.split("\0"):
+            mtime, _, path = record.partition(" ")
+            run = path.removesuffix("/meta.json")
+            if mtime.isdigit() and path.endswith("/meta.json") and RUN_ID.match(run) and run != SERVICE:
+                found = max(found, {"mtime": int(mtime), "run": run}, key=lambda row: row.get("mtime", -1))
+        return found
 
     found = [o.row for o in fanout.each(hosts, newest) if o.ok and o.row]
     if not found:
@@ -128,40 +176,48 @@ def newest_run(hosts: list[Host]) -> str:
 
 
 def merge_shards(local_run: Path, outcomes: list[fanout.Outcome], out) -> int:
-    """Write merged.jsonl for a sharded run once every shard is home and verified; the exit code."""
+    """Write merged.jsonl for a sharded run once the finished, verified hosts own every row between
+    them (their shard specs, :mod:`specops.plan`); the exit code. After a re-plan, the hosts that
+    took a gone host's rows are enough, and a row both finished is kept once."""
     shards = {o.host.name: o.row["shard"] for o in outcomes if o.ok and o.row["shard"] != "-"}
     if not shards:
         return 0
-    missing = [o.host.name for o in outcomes if not o.ok]
-    if missing:
-        print(f"{MERGED} not written: shards missing from {', '.join(missing)}; pull again when "
-              f"{'it is' if len(missing) == 1 else 'they are'} back", file=out)
+    done = {h: plans.parse_spec(s) for h, s in shards.items()
+            if not next(o for o in outcomes if o.host.name == h).row["verified"].startswith("no")}
+    holes, overlap, modulus = plans.covered(list(done.values()))
+    if holes:
+        missing = [o.host.name for o in outcomes if not o.ok]
+        running = [h for h in shards if h not in done]
+        if missing:
+            print(f"{MERGED} not written: shards missing from {', '.join(missing)}; pull again when "
+                  f"{'it is' if len(missing) == 1 else 'they are'} back (or re-plan their rows: "
+                  f"inv generate --name {local_run.name} --resume)", file=out)
+            return 1
+        if running:
+            print(f"{MERGED} not written: the run is still running on {', '.join(running)}", file=out)
+            return 0
+        shown = ", ".join(f"{r}/{modulus}" for r in holes[:10])
+        print(f"{MERGED} not written: rows {shown} of the plan were not pulled (pull with --on the whole group)",
+              file=out)
         return 1
-    running = [o.host.name for o in outcomes if o.row["verified"].startswith("no")]
-    if running:
-        print(f"{MERGED} not written: the run is still running on {', '.join(running)}", file=out)
-        return 0
-    count = int(next(iter(shards.values())).split("/")[1])
-    index = {int(s.split("/")[0]): host for host, s in shards.items()}
-    absent = sorted(set(range(count)) - set(index))
-    if absent:
-        print(f"{MERGED} not written: shards {', '.join(map(str, absent))} of {count} were not pulled "
-              f"(pull with --on the whole group)", file=out)
-        return 1
-    parts = [local_run / index[i] / "data.jsonl" for i in range(count)]
+    parts = [local_run / host / "data.jsonl" for host in done]
     if not any(p.exists() for p in parts):
         return 0
     try:
-        records = merge_jsonl(parts, local_run / MERGED)
+        records, twice = merge_jsonl(parts, local_run / MERGED, keep_first=overlap)
     except SpecopsError as e:
         print(f"error: {e}", file=out)
         return e.exit_code
-    print(f"{MERGED}: {records} records from {count} shards -> {local_run / MERGED}", file=out)
+    again = f" ({twice} rows finished by two hosts of a re-planned run: kept once)" if twice else ""
+    print(f"{MERGED}: {records} records from {len(parts)} hosts{again} -> {local_run / MERGED}", file=out)
     return 0
 
 
-def merge_jsonl(parts: list[Path], target: Path) -> int:
-    """Concatenate JSONL files whose records carry an "id"; SpecopsError on a duplicate or a bad line."""
+def merge_jsonl(parts: list[Path], target: Path, keep_first: bool = False) -> tuple[int, int]:
+    """Concatenate JSONL files whose records carry an "id"; (records, duplicates dropped).
+
+    SpecopsError on a bad line, or on a duplicate id unless ``keep_first`` (the parts' shards
+    overlap after a re-plan: the first copy is kept)."""
     seen: set = set()
     duplicates: list = []
     tmp = target.with_name(f".{target.name}.tmp")
@@ -178,13 +234,15 @@ def merge_jsonl(parts: list[Path], target: Path) -> int:
                             raise SpecopsError(f"{part}: line {number} is not a JSON record with an id") from None
                         if rid in seen:
                             duplicates.append(rid)
+                            if keep_first:
+                                continue
                         seen.add(rid)
                         merged.write(line if line.endswith("\n") else line + "\n")
-        if duplicates:
+        if duplicates and not keep_first:
             shown = ", ".join(map(str, duplicates[:10])) + (f" and {len(duplicates) - 10} more"
                                                           if len(duplicates) > 10 else "")
             raise SpecopsError(f"{target.name} not written: {len(duplicates)} duplicate ids across shards: {shown}")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    return len(seen)
+    return len(seen), len(duplicates)

@@ -15,9 +15,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import artifacts, fanout, runs, service, urls, watch
+from . import artifacts, fanout, group, runs, service, urls, watch
+from . import plan as plans
 from .errors import SpecopsError
-from .host import Session, quote
+from .host import Session, connect, quote
 from .servicefiles import Layout
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -56,9 +57,14 @@ def dataset_arg(session: Session, dataset: str) -> str:
     return session.path(dataset) if dataset.startswith("~") else dataset
 
 
+def is_run_id(value: str) -> bool:
+    """``--data``/``--states`` name a run (an id) or a path on the host."""
+    return "/" not in value and not value.endswith(DATA_FILE_SUFFIXES)
+
+
 def run_output(session: Session, value: str, leaf: str) -> str:
     """``RUN`` (a run id) → ``<workdir>/runs/RUN/<leaf>``; a path stays a path."""
-    if "/" not in value and not value.endswith(DATA_FILE_SUFFIXES):
+    if is_run_id(value):
         return f"{runs.run_dir(session, runs.check_run_id(value))}/{leaf}"
     return session.path(value)
 
@@ -87,14 +93,55 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
             raise SpecopsError(f"{session.host.name}: not ready to generate: {why}")
         return {}
 
-    checked = fanout.each(hosts, preflight)
-    if any(not o.ok for o in checked):
-        return None, fanout.report(checked, out=out)
+    shard: bool | dict = True
+    if resume and len(hosts) > 1:  # the group's recorded plan; rows of hosts that do not answer go to those that do
+        hosts, shard = replan_generate(hosts, runs.check_run_id(name or ""), preflight, out=out)
+    else:
+        checked = fanout.each(hosts, preflight)
+        if any(not o.ok for o in checked):
+            return None, fanout.report(checked, out=out)
     run_id, rc = runs.launch_on(hosts, "generate", lambda s, i, k: script(s, "generate.py") + args(s)
-                                + ["--out", ".", *extra], name=name, resume=resume, shard=True, on=on, out=out)
+                                + ["--out", ".", *extra], name=name, resume=resume, shard=shard, on=on, out=out)
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
     return run_id, rc
+
+
+def replan_generate(hosts, run_id: str, preflight, out=None) -> tuple[list, dict]:
+    """`inv generate --resume --on GROUP`: (hosts to relaunch, the run's new plan).
+
+    The plan is the one the run recorded (meta.json, newest copy among the hosts that answer).
+    A host that does not answer, or cannot generate now (its preflight fails), is gone: its rows
+    are split among the answering hosts whose run has ended (:func:`specops.plan.replan`); a host
+    whose run is still going keeps its rows and is left alone.
+    """
+    out = out or sys.stdout
+    if not run_id:
+        raise SpecopsError("--resume needs the run id to continue (--name RUN)", exit_code=2)
+    states = fanout.each(hosts, runs.run_meta, run_id)
+    answered = {o.host.name: o.row for o in states if o.ok}
+    if not answered:
+        fanout.report(states, out=out)
+        raise SpecopsError(f"no host of {run_id} answers: nothing to resume", exit_code=1)
+    newest = max(answered.values(), key=lambda r: r["meta"].get("started", ""))["meta"]
+    plan = newest.get("plan") or plans.first_plan([h.name for h in hosts])
+    running = [h for h, r in answered.items() if r["live"]]
+    ready = {o.host.name for o in fanout.each([h for h in hosts if h.name in answered and h.name not in running],
+                                             preflight) if o.ok}
+    heirs = [h.name for h in hosts if h.name in ready and h.name in plan]
+    gone = [h for h in plan if h not in ready and h not in running]
+    new_plan = plans.replan({h: s for h, s in plan.items() if h not in running}, heirs) if heirs else {}
+    if gone and not heirs:
+        raise SpecopsError(f"{run_id}: {', '.join(gone)} cannot generate and no other host of the run is free to take "
+                           f"their rows{' (still running: ' + ', '.join(running) + ')' if running else ''}",
+                           exit_code=1)
+    new_plan.update({h: plan[h] for h in running})
+    for h in gone:
+        print(f"re-planned: {h} does not answer or cannot generate; its rows ({plan[h]}) go to "
+              f"{', '.join(f'{x} (now {new_plan[x]})' for x in heirs)}", file=out)
+    for h in running:
+        print(f"{h}: run {run_id} is still running; it keeps its rows ({plan[h]})", file=out)
+    return [h for h in hosts if h.name in heirs], new_plan
 
 
 # ---------------------------------------------------------------- extract
@@ -128,8 +175,10 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
 # ---------------------------------------------------------------- train
 
 def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, follow=False, gpus=0, extra=(),
-          on=None, out=None, states=None, stream=False) -> tuple[str | None, int]:
-    """One training run; several hosts = one torchrun job across them (rank i = host i).
+          on=None, out=None, states=None, stream=False,
+          rendezvous_timeout=group.RENDEZVOUS_TIMEOUT) -> tuple[str | None, int]:
+    """One training run; several hosts = one torchrun job across them (node rank i = host i, host 0 the
+    master; :mod:`specops.group`). A group trains on the generate runs' merged data, shipped to every node.
 
     ``states``: an extract run (or a directory on the host) whose shards replace the online
     target; ``stream``: consume them while the extraction is still writing them."""
@@ -137,24 +186,36 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
         raise SpecopsError("--data RUN (a generate run id) or a data.jsonl path is required", exit_code=2)
     if stream and not states:
         raise SpecopsError("--stream goes with --states EXTRACT_RUN", exit_code=2)
-    master = hosts[0].address if not hosts[0].is_local else "127.0.0.1"
+    grouped = len(hosts) > 1  # one sample list for every rank: the merged data, shipped to every node
+    if grouped:
+        group.ship_data(hosts, [d for d in data if is_run_id(d)], out=out)
+        with connect(hosts[0]) as master_session:
+            port = group.free_port(master_session)
+    master = group.master_address(hosts[0])
 
     def argv(session: Session, index: int, count: int) -> list[str]:
         a = ["--target", model_path(session), "--out", "."]
         for d in data:
-            a += ["--data", run_output(session, d, "data.jsonl")]
+            a += ["--data", group.shipped_path(session, d) if grouped and is_run_id(d)
+                  else run_output(session, d, "data.jsonl")]
         if states:
             a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
         a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
         a += trust_remote_code(session)
         if count == 1 and not gpus:
             return script(session, "train.py") + a + list(extra)
+        if grouped:
+            return group.node_argv(session.venv_python, code(session, "remote/torchrun_node.py"),
+                                   code(session, "remote/train.py"), a + list(extra), nnodes=count, node_rank=index,
+                                   nproc=gpus or 1, master_addr=master, master_port=port, run_id=run_id,
+                                   rendezvous_timeout=rendezvous_timeout)
         launcher = [session.venv_python, "-m", "torch.distributed.run", f"--nnodes={count}",
                     f"--node-rank={index}", f"--nproc-per-node={gpus or 1}", f"--master-addr={master}",
                     f"--master-port={TORCHRUN_PORT}"]
         return launcher + [code(session, "remote/train.py")] + a + list(extra)
 
-    run_id, rc = runs.launch_on(hosts, "train", argv, name=name, resume=resume, on=on, out=out)
+    run_id = runs.check_run_id(name or runs.new_run_id("train"))
+    run_id, rc = runs.launch_on(hosts, "train", argv, name=run_id, resume=resume, on=on, out=out)
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
     return run_id, rc

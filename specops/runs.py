@@ -35,7 +35,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Callable
 
-from . import fanout
+from . import fanout, plan as plans
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
@@ -98,11 +98,12 @@ tmux new-session -d -s "$s" -c "$d" {pane}
 
 
 def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None = None, resume: bool = False,
-           env_file: str | None = None, shard: str | None = None) -> str:
+           env_file: str | None = None, shard: str | None = None, plan: dict | None = None) -> str:
     """Start ``argv`` as a detached run on this host and return its run id.
 
     ``argv[0]`` should be absolute (e.g. ``session.venv_python``): a run has no login shell.
-    ``shard="I/K"`` appends ``--shard I/K``; ``resume`` relaunches the finished run ``run_id``
+    ``shard="I/K"`` appends ``--shard I/K`` (``plan``: every host's shard, recorded in meta.json so
+    any host of the group can tell who owns which rows); ``resume`` relaunches the finished run ``run_id``
     with ``--resume`` appended. The host's env file (default ``<workdir>/service/vllm.env``) is
     sourced by the wrapper, so secrets never reach a command line.
 
@@ -120,7 +121,8 @@ def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None =
     name, d = session.host.name, run_dir(session, run_id)
     code_dir = f"{session.workdir}/code"
     version = session.read_file(f"{code_dir}/VERSION")
-    meta = {"run_id": run_id, "kind": kind, "host": name, "argv": argv, "shard": shard, "resume": resume,
+    meta = {"run_id": run_id, "kind": kind, "host": name, "argv": argv, "shard": shard,
+            **({"plan": plan} if plan else {}), "resume": resume,
             "code_version": version.decode().strip() if version else None,
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     wrapper = f"{code_dir}/remote/run.sh"
@@ -155,22 +157,24 @@ def _ended(exit_code_text: str) -> str:
 
 
 def launch_on(hosts: list[Host], kind: str, build_argv: Callable[[Session, int, int], list[str]], *,
-              name: str | None = None, resume: bool = False, shard: bool = False, on: str | None = None,
+              name: str | None = None, resume: bool = False, shard: bool | dict = False, on: str | None = None,
               env_file: str | None = None, out=None) -> tuple[str, int]:
     """Start one run per host, in parallel, all with the same run id; returns (run id, exit code).
 
     ``build_argv(session, index, count)`` gives each host's command (index/count: the host's
     place in the selection, e.g. torchrun's node rank). The command runs in its run directory,
     so ``--out .`` puts outputs there. With ``shard`` and several hosts, host I of K also gets
-    ``--shard I/K``. Prints one row per host, then the commands to watch the run.
+    ``--shard I/K``; ``shard`` may instead be a plan, {host name: spec} (:mod:`specops.group`),
+    for a re-planned run. Prints one row per host, then the commands to watch the run.
     """
     out = out or sys.stdout
     run_id = check_run_id(name or new_run_id(kind))
+    plan = shard if isinstance(shard, dict) else plans.first_plan([h.name for h in hosts]) if shard else {}
 
     def start(session: Session, index: int, count: int) -> dict:
-        part = f"{index}/{count}" if shard and count > 1 else None
+        part = plan.get(session.host.name)
         launch(session, kind, build_argv(session, index, count), run_id=run_id, resume=resume,
-               env_file=env_file, shard=part)
+               env_file=env_file, shard=part, plan=plan or None)
         return {"run": run_id, "shard": part or "-"}
 
     code = fanout.report(fanout.each(hosts, start), out=out)
@@ -181,6 +185,26 @@ def launch_on(hosts: list[Host], kind: str, build_argv: Callable[[Session, int, 
               f"stop it:   inv stop {args}\n"
               f"fetch it:  inv pull {args}", file=out)
     return run_id, code
+
+
+_META = """
+d={dir}
+[ -f "$d/meta.json" ] || exit 12
+pid=$(live_pid {session}); printf '%s\\n' "${{pid:-0}}"
+cat "$d/meta.json"
+"""
+
+
+def run_meta(session: Session, run_id: str) -> dict:
+    """{"live": whether the run's tmux pane is alive, "meta": its meta.json}; HostError if there is no such run."""
+    r = session.sh(LIVE_PID + _META.format(dir=quote(run_dir(session, run_id)),
+                                          session=quote(tmux_session(session, run_id))), check=False, timeout=30)
+    if r.exit_code == 12:
+        raise HostError(f"no run {run_id} on {session.host.name}")
+    if not r.ok:
+        raise HostError(f"{session.host.name}: cannot read run {run_id}: {r.stderr.strip()}")
+    pid, _, meta = r.stdout.partition("\n")
+    return {"live": pid.strip() != "0", "meta": json.loads(meta)}
 
 
 # ---------------------------------------------------------------- stopping
