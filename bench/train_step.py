@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "remote"))
 from draft_model import DraftConfig, Eagle3Draft  # noqa: E402
-from train import ttt_loss  # noqa: E402
+from ttt_objective import SoftCrossEntropy  # noqa: E402
 
 SHAPES = {
     # name: (H, I, heads, kv heads, head dim, Vd, batch, seq)
@@ -73,9 +73,9 @@ def bench(name, device, dtype, budget_s, ttt):
     vocab_ids, in_vocab = torch.arange(Vd, device=device), torch.ones(Vd, dtype=torch.bool, device=device)
 
     def step():
+        objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            logits = draft(input_ids, aux, ttt)
-        loss, _, _ = ttt_loss(logits, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8)
+            loss = sum(r[0] for r in draft(input_ids, aux, ttt, objective))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)

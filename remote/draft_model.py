@@ -11,8 +11,17 @@ the previous step's output hidden state back in place of the target's, one
 token further on, exactly as vLLM chains draft tokens at inference. Slot t of
 step i is at position t + i, embeds token t+1+i and predicts token t+2+i; it
 attends to step 0's keys at positions <= t and to its own slot's keys from
-steps 1..i (vLLM's draft KV cache holds the same): one masked SDPA call over
-all steps' keys, so no T x T score tensor is kept where a fused kernel exists.
+steps 1..i (vLLM's draft KV cache holds the same). That is the "diagonal"
+formulation: a causal attention over step 0 (a fused kernel, no mask tensor)
+merged by log-sum-exp with i per-slot scores, so no k*T-wide key set and no
+dense mask exist, and memory stays linear in T.
+
+Memory at scale (a 7168-wide draft, 16k tokens): each TTT step runs under
+activation checkpointing and hands its output to an `objective` inside the
+checkpoint, so across steps only each step's output state and its keys/values
+are kept; the objective (train.py's soft cross-entropy) never keeps [T, Vd]
+logits either. The frozen embedding table keeps the dtype it is given (bf16
+on a GPU).
 
 The module attributes are named as vLLM's LlamaForCausalLMEagle3 checkpoint
 names them, so `export` is the state dict minus the frozen embeddings.
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -101,11 +111,57 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def ttt_mask(T: int, steps: int, device) -> torch.Tensor:
-    """[T, steps*T] bool: slot t sees step 0's keys at positions <= t, then its own slot in each later step."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    own = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([causal, *[own] * (steps - 1)], dim=1)
+def causal_lse(q, k, v) -> torch.Tensor:
+    """[B, nh, T] fp32 log-sum-exp of the causal attention scores (no grad), from the fused kernels."""
+    with torch.no_grad():
+        try:
+            if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+                return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[1].float()
+            if q.device.type == "cuda":
+                lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[1]
+                return lse[..., : q.shape[-2]].float()
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[1].float()
+        except (RuntimeError, NotImplementedError):  # a kernel that refuses the shape: plain math, in query chunks
+            return causal_lse_math(q, k)
+
+
+def causal_lse_math(q, k, chunk: int = 1024) -> torch.Tensor:
+    """causal_lse by matmuls, `chunk` queries at a time (the reference the kernels are checked against)."""
+    T, scale = q.shape[-2], q.shape[-1] ** -0.5
+    out = []
+    for a in range(0, T, chunk):
+        s = (q[..., a : a + chunk, :].float() @ k.float().transpose(-1, -2)) * scale
+        rows = torch.arange(a, min(a + chunk, T), device=q.device)
+        s = s.masked_fill(torch.arange(T, device=q.device) > rows[:, None], float("-inf"))
+        out.append(s.logsumexp(-1))
+    return torch.cat(out, dim=-1)
+
+
+def ttt_attention(q, cache: list, groups: int) -> torch.Tensor:
+    """Slot t of step i = len(cache)-1 attends to step 0's keys at positions <= t and to its own slot in
+    steps 1..i. q [B, nh, T, hd]; cache: (k, v) [B, nkv, T, hd] per step so far. Returns [B, nh, T, hd].
+
+    Step 0's part is one causal SDPA (flash on a GPU); the i diagonal scores are merged with it through
+    its log-sum-exp. The kernels give no gradient for the lse, so it carries a surrogate with the exact
+    one: d lse/dq = scale * P K and d lse/dK = scale * P^T q (P the causal attention), which is what
+    `scale * rowsum(q * SDPA(q', K', K))` differentiates to with q' and K' held constant.
+    """
+    expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
+    k0, v0 = expand(cache[0][0]), expand(cache[0][1])
+    o0 = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+    if len(cache) == 1:
+        return o0
+    scale = q.shape[-1] ** -0.5
+    qd, k0d = q.detach(), k0.detach()
+    pk = F.scaled_dot_product_attention(qd, k0d, k0, is_causal=True)
+    surrogate = scale * (q.float() * pk.float()).sum(-1)
+    lse0 = causal_lse(qd, k0d, v0.detach()) + (surrogate - surrogate.detach())
+    diag = [scale * (q.float() * expand(kj).float()).sum(-1) for kj, _ in cache[1:]]
+    w = torch.stack([lse0, *diag], dim=-1).softmax(-1)  # [B, nh, T, 1 + i]
+    out = w[..., :1] * o0.float()
+    for j, (_, vj) in enumerate(cache[1:], start=1):
+        out = out + w[..., j : j + 1] * expand(vj).float()
+    return out.to(o0.dtype)
 
 
 class Attention(nn.Module):
@@ -120,7 +176,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, ttt_cache: list):
-        """x [B, T, 2H]; cos/sin [B, T, hd]; ttt_cache: (k, v) of earlier TTT steps, appended to."""
+        """x [B, T, 2H]; cos/sin [B, T, hd]; ttt_cache: (k, v) of earlier TTT steps (not changed).
+        Returns (out [B, T, H], k, v): this step's keys and values [B, nkv, T, hd], for later steps."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
@@ -128,13 +185,8 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        groups = self.nh // self.nkv
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        ttt_cache.append((k, v))
-        keys = torch.cat([kj for kj, _ in ttt_cache], dim=2)  # [B, nh, (i+1)T, hd]
-        values = torch.cat([vj for _, vj in ttt_cache], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ttt_mask(T, len(ttt_cache), x.device))
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        out = ttt_attention(q, [*ttt_cache, (k, v)], self.nh // self.nkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd)), k, v
 
 
 class MLP(nn.Module):
@@ -162,11 +214,12 @@ class MidLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, embeds, hidden, cos, sin, ttt_cache):
-        """Returns the pre-norm output hidden state [B, T, H] (what vLLM feeds to the next draft step)."""
+        """Returns (the pre-norm output hidden state [B, T, H] (what vLLM feeds to the next draft step), k, v)."""
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        residual = residual + self.self_attn(x, cos, sin, ttt_cache)
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+        attn, k, v = self.self_attn(x, cos, sin, ttt_cache)
+        residual = residual + attn
+        return residual + self.mlp(self.post_attention_layernorm(residual)), k, v
 
 
 class Eagle3Draft(nn.Module):
@@ -179,9 +232,8 @@ class Eagle3Draft(nn.Module):
         if draft_to_target.shape != (c.draft_vocab_size,):
             raise ValueError(f"draft vocab map has {draft_to_target.numel()} ids, config says {c.draft_vocab_size}")
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.embed_tokens.weight.data.copy_(target_embeddings)
-        self.embed_tokens.weight.requires_grad_(False)
+        # the target's own table, frozen, in the dtype it comes in (bf16 on a GPU: 2.3 GB for Kimi-K2, not 4.7)
+        self.embed_tokens = nn.Embedding.from_pretrained(target_embeddings.detach(), freeze=True)
         self.fc = nn.Linear(len(c.aux_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -189,21 +241,35 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("draft_to_target", draft_to_target.long().clone())
         self.rotary = LlamaRotaryEmbedding(c.llama_config())
 
-    def forward(self, input_ids, aux_hidden, ttt_steps: int) -> list[torch.Tensor]:
-        """input_ids [B, T] target ids; aux_hidden [B, T, 3H]. Returns ttt_steps x logits [B, T, Vd].
+    def forward(self, input_ids, aux_hidden, ttt_steps: int, objective=None, checkpoint: bool = True) -> list:
+        """input_ids [B, T] target ids; aux_hidden [B, T, 3H]. Returns ttt_steps x objective(i, hidden),
+        hidden [B, T, H] being step i's pre-norm output; the default objective gives (logits [B, T, Vd],).
 
         Step i's slot t predicts token t+2+i; slots past the end read token id 0 (callers mask them).
+        With `checkpoint` (and grad enabled) each step, objective included, is recomputed in backward:
+        between steps only its output state, keys and values, and the objective's outputs are kept.
         """
         B, T = input_ids.shape
+        objective = objective or (lambda i, h: (self.lm_head(self.norm(h)),))
         hidden = self.fc(aux_hidden)
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        ttt_cache, logits = [], []
+        ttt_cache, results = [], []
         for i in range(ttt_steps):
-            next_ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)[:, :T]  # token t+1+i at slot t
-            cos, sin = self.rotary(hidden, positions + i)
-            hidden = self.midlayer(self.embed_tokens(next_ids), hidden, cos, sin, ttt_cache)
-            logits.append(self.lm_head(self.norm(hidden)))
-        return logits
+            def step(hidden, *cache, i=i):
+                next_ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)[:, :T]  # token t+1+i at slot t
+                cos, sin = self.rotary(hidden, positions + i)
+                pairs = list(zip(cache[0::2], cache[1::2]))
+                out, k, v = self.midlayer(self.embed_tokens(next_ids), hidden, cos, sin, pairs)
+                return (out, k, v, *objective(i, out))
+
+            flat = [t for kv in ttt_cache for t in kv]
+            if checkpoint and torch.is_grad_enabled():
+                hidden, k, v, *result = torch.utils.checkpoint.checkpoint(step, hidden, *flat, use_reentrant=False)
+            else:
+                hidden, k, v, *result = step(hidden, *flat)
+            ttt_cache.append((k, v))
+            results.append(tuple(result))
+        return results
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen target embeddings and the derived buffers."""

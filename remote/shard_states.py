@@ -91,9 +91,12 @@ class TargetHead:
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         """As transformers' RMSNorm (fp32 statistics, weight times the normed input) then lm_head."""
+        return self.normed(last) @ self.lm_head.T
+
+    def normed(self, last: torch.Tensor) -> torch.Tensor:
         x = last.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.norm * x.to(last.dtype)) @ self.lm_head.T
+        return self.norm * x.to(last.dtype)
 
 
 def wait_for(path: str, timeout: float, what: str) -> None:
@@ -193,6 +196,14 @@ class ShardTargetStates:
     @torch.no_grad()
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         return self.head.logits(last)
+
+    @torch.no_grad()
+    def normed(self, last: torch.Tensor) -> torch.Tensor:
+        return self.head.normed(last)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.head.lm_head
 
     def stream_schedule(self, lengths, batch_tokens: int, seed: int, epochs: int) -> "StreamSchedule":
         plan = self.plan

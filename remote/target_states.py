@@ -37,7 +37,12 @@ class TargetStates(Protocol):
         """The states of a right-padded batch [B, T] whose rows are samples `sample_index`."""
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
-        """[B, T, V] the target's next-token logits from the id-L state."""
+        """[B, T, V] the target's next-token logits from the id-L state (= normed(last) @ head_weight.T)."""
+
+    def normed(self, last: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] the id-L state through the target's final norm."""
+
+    head_weight: torch.Tensor  # [V, H] the target's lm_head (the trainer scores it a vocabulary chunk at a time)
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -103,3 +108,14 @@ class OnlineTargetStates:
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         """[B, T, V]: the target's next-token logits from the id-L state (final norm + lm_head)."""
         return self.model.get_output_embeddings()(self.model.base_model.norm(last))
+
+    @torch.no_grad()
+    def normed(self, last: torch.Tensor) -> torch.Tensor:
+        return self.model.base_model.norm(last)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        head = self.model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("the target's lm_head has a bias: not supported by the trainer")
+        return head.weight

@@ -31,6 +31,7 @@ from chat_render import ChatRenderer, Sample, data_files, render_records
 from draft_model import DraftConfig, Eagle3Draft, export
 from shard_states import ShardTargetStates, cut_batches
 from target_states import OnlineTargetStates, TargetStates
+from ttt_objective import SoftCrossEntropy, target_distribution
 
 PROGRESS_EVERY_S = 5.0
 
@@ -135,24 +136,41 @@ def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) 
     return cut_batches(order, lengths, batch_tokens)
 
 
+def world_batches(batches: list[list[int]], world: int) -> list[list[int]]:
+    """The epoch's batches made a multiple of the world size, so the ranks, stepping in lockstep,
+    use every one (every sample once per epoch): the batch with the most samples is halved until
+    the count divides. Only when every batch is a single sample can a remainder be left over."""
+    batches = [list(b) for b in batches]
+    while len(batches) % world:
+        largest = max(range(len(batches)), key=lambda j: (len(batches[j]), -j))
+        if len(batches[largest]) < 2:
+            break
+        b = batches[largest]
+        batches[largest:largest + 1] = [b[:len(b) // 2], b[len(b) // 2:]]
+    return batches
+
+
 def rank_batches(lengths, batch_tokens, seed, rank, world):
     """This rank's (epoch, batch) sequence, epoch after epoch: a pure function of its arguments,
     so a resumed run sees exactly the batches the interrupted one would have."""
     epoch = 0
     while True:
-        batches = epoch_batches(lengths, batch_tokens, seed, epoch)
-        per_rank = len(batches) // world  # ranks step in lockstep: the remainder waits for the next epoch
+        batches = world_batches(epoch_batches(lengths, batch_tokens, seed, epoch), world)
+        per_rank = len(batches) // world  # ranks step in lockstep (world_batches leaves no remainder but singles')
         for batch in batches[rank::world][:per_rank]:
             yield epoch, batch
         epoch += 1
 
 
 def steps_in_epochs(lengths, batch_tokens, seed, world, epochs: float) -> int:
+    def per_rank(epoch):
+        return len(world_batches(epoch_batches(lengths, batch_tokens, seed, epoch), world)) // world
+
     steps, whole = 0, int(epochs)
     for epoch in range(whole):
-        steps += len(epoch_batches(lengths, batch_tokens, seed, epoch)) // world
+        steps += per_rank(epoch)
     if epochs > whole:
-        steps += int((epochs - whole) * (len(epoch_batches(lengths, batch_tokens, seed, whole)) // world))
+        steps += int((epochs - whole) * per_rank(whole))
     return steps
 
 
@@ -171,32 +189,6 @@ def collate(samples, index: list[int], pad_id: int, device):
 
 
 # ---------------------------------------------------------------- objective
-
-
-def ttt_loss(step_logits, target_vd, target_top, loss_mask, vocab_ids, in_vocab, decay: float):
-    """Sum over TTT steps of decay^i * soft cross-entropy to the target's distribution over the draft vocab.
-
-    step_logits: i x [B, T, Vd]; slot t of step i predicts token t+2+i, whose target distribution is the
-    target's logits at position t+1+i (target_vd [B, T, Vd], restricted to the draft vocab) and whose
-    target argmax is target_top [B, T] (full vocab). Loss on tokens with loss_mask whose target argmax is
-    in the draft vocab; accuracy (draft argmax == target argmax) on every loss-masked token.
-    Returns (loss, correct [steps], counted [steps]).
-    """
-    T = loss_mask.shape[1]
-    loss = step_logits[0].new_zeros((), dtype=torch.float32)
-    correct, counted = [], []
-    for i, logits in enumerate(step_logits):
-        n = max(T - 2 - i, 0)
-        mask = loss_mask[:, 2 + i : 2 + i + n].bool()
-        top = target_top[:, 1 + i : 1 + i + n]
-        keep = mask & in_vocab[top]
-        log_q = logits[:, :n].float().log_softmax(-1)
-        p = target_vd[:, 1 + i : 1 + i + n].float().softmax(-1)
-        ce = -(p * log_q).sum(-1)
-        loss = loss + decay**i * (ce * keep).sum() / keep.sum().clamp(min=1)
-        correct.append(((vocab_ids[log_q.argmax(-1)] == top) & mask).sum())
-        counted.append(mask.sum())
-    return loss, torch.stack(correct), torch.stack(counted)
 
 
 def simulated_acceptance(acc: list[float]) -> float:
@@ -357,10 +349,11 @@ def main(argv=None):
         vocab_ids = draft_vocab(samples, V, min(args.draft_vocab, V))
     torch.manual_seed(args.seed)
     config = DraftConfig.from_target(target.config, len(vocab_ids), target.aux_layer_ids)
-    draft = Eagle3Draft(config, target.embeddings().float(), vocab_ids).to(device)
+    draft = Eagle3Draft(config, target.embeddings().to(device, dtype), vocab_ids).to(device)  # frozen: dtype
     vocab_ids = vocab_ids.to(device)
     in_vocab = torch.zeros(V, dtype=torch.bool, device=device)
     in_vocab[vocab_ids] = True
+    head_vd = target.head_weight[vocab_ids]  # the target's head over the draft vocabulary, once
 
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     warmup = math.ceil(args.warmup * total_steps)
@@ -400,15 +393,12 @@ def main(argv=None):
         epoch, index = next(batches)
         input_ids, attention, loss_mask = collate(samples, index, pad_id, device)
         states = target.states(input_ids, attention, index)
-        with torch.no_grad():
-            target_logits = target.logits(states.last)
-            target_top = target_logits.argmax(-1)
-            target_vd = target_logits[..., vocab_ids]
-            del target_logits
+        target_vd, target_top = target_distribution(target.normed(states.last), target.head_weight, head_vd)
+        objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            step_logits = model(input_ids, states.aux, args.ttt_steps)
-        loss, correct, counted = ttt_loss(
-            step_logits, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
+            per_step = model(input_ids, states.aux, args.ttt_steps, objective)
+        loss = sum(r[0] for r in per_step)
+        correct, counted = torch.stack([r[1] for r in per_step]), torch.stack([r[2] for r in per_step])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip)

@@ -15,11 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from tests.fixtures_train import REMOTE, metrics, run_script, train, train_args
+from tests.plain_step import reference_step
 
 sys.path.insert(0, str(REMOTE))
 from chat_render import ChatRenderer, normalise  # noqa: E402
 from draft_model import DraftConfig, Eagle3Draft, check_tensor_names, expected_tensor_names, export_tensors  # noqa: E402
 from target_states import OnlineTargetStates  # noqa: E402
+from ttt_objective import SoftCrossEntropy, target_distribution  # noqa: E402
 
 LAYER_NAMES = {
     "fc.weight", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
@@ -314,3 +316,57 @@ def test_torchrun_at_world_size_one_starts_the_group_and_reduces_on_the_models_d
     for c in seen["collectives"]:
         assert c["device"] == seen["model_devices"][0] and not c["moved_to_cpu"], c
     assert len(metrics(tmp_path / "run")) == 3
+
+
+# ---------------------------------------------------------------- the step at scale, against the plain one
+
+
+def test_memory_lean_step_has_the_plain_steps_loss_and_gradients():
+    """Checkpointed steps, diagonal attention, chunked soft cross-entropy, draft-vocab target logits: the
+    same loss, accuracy counts and gradients as the plain step, on the tiny target's shape (chunks made
+    small so every chunked path runs several times)."""
+    torch.manual_seed(0)
+    H, V, Vd, B, T, k = 128, 576, 24, 2, 48, 4
+    c = DraftConfig(hidden_size=H, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    vocab_size=V, draft_vocab_size=Vd, aux_layer_ids=[0, 1, 2], max_position_embeddings=512)
+    vocab_ids = torch.randperm(V)[:Vd].sort().values
+    draft = Eagle3Draft(c, torch.randn(V, H), vocab_ids)
+    for p in draft.parameters():  # norms off 1.0, so their gradients mean something
+        if p.requires_grad and p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    in_vocab = torch.zeros(V, dtype=torch.bool)
+    in_vocab[vocab_ids] = True
+    input_ids = torch.randint(0, V, (B, T))
+    aux = torch.randn(B, T, 3 * H)
+    loss_mask = (torch.rand(B, T) < 0.7).long()
+    # The target agrees with the draft's first guess on some tokens and puts its argmax outside the draft
+    # vocab on others, so accuracy counts and the loss's in-vocab filter both have something to count.
+    normed, head = torch.randn(B, T, H) * 0.1, torch.randn(V, H) * 0.1
+    head[vocab_ids] += 5 * torch.eye(H)[:Vd]
+    with torch.no_grad():
+        first = draft.lm_head(draft.norm(draft.midlayer(
+            draft.embed_tokens(input_ids[:, 1:]), draft.fc(aux[:, :-1]),
+            *draft.rotary(aux, torch.arange(T - 1).expand(B, T - 1)), [])[0])).argmax(-1)
+    agree = torch.rand(B, T - 1) < 0.5
+    normed[:, 1:][agree] += 5 * torch.eye(H)[first[agree]]
+
+    ref_loss, ref_correct, ref_counted = reference_step(draft, input_ids, aux, k, normed @ head.T, loss_mask,
+                                                        vocab_ids, in_vocab, 0.8)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+    draft.zero_grad(set_to_none=True)
+
+    target_vd, target_top = target_distribution(normed, head, head[vocab_ids], vocab_chunk=37)
+    assert torch.equal(target_top, (normed @ head.T).argmax(-1))
+    objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8, chunk_rows=7)
+    per_step = draft(input_ids, aux, k, objective)
+    loss = sum(r[0] for r in per_step)
+    loss.backward()
+    assert ref_counted.sum() > ref_correct.sum() > 0  # the accuracy counts are not trivially all or nothing
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.stack([r[1] for r in per_step]), ref_correct)
+    assert torch.equal(torch.stack([r[2] for r in per_step]), ref_counted)
+    for name, g in ref_grads.items():
+        got = dict(draft.named_parameters())[name].grad
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,91 @@
+"""What the draft is trained to match, computed without the tensors that do not fit at scale.
+
+At Kimi-K2's shape (vocab 163840, draft vocab 32000, 16k tokens a batch) the plain
+objective holds the target's full-vocabulary logits (5.4 GB in bf16) and, for each of the
+k TTT steps, fp32 logits and log-softmax over the draft vocabulary kept for backward
+(~2 MB a token). Here instead:
+
+- `target_distribution`: the target's logits over the draft vocabulary only (its head's
+  Vd rows), and its full-vocabulary argmax found chunk by chunk of the vocabulary;
+- `SoftCrossEntropy`: the per-step loss over the loss-masked tokens only, in chunks of
+  rows, each chunk recomputed in backward: no [T, Vd] fp32 tensor outlives its chunk.
+
+The numbers are the plain objective's (train.py's docstring of the loss says which), to
+rounding; tests/test_train.py checks loss and gradients against it.
+"""
+import torch
+import torch.utils.checkpoint
+
+CE_CHUNK_BYTES = 256 * 2**20  # one fp32 [rows, Vd] tensor of a loss chunk
+VOCAB_CHUNK = 16384  # target vocabulary columns scored at a time for the argmax
+
+
+def ce_chunk_rows(draft_vocab: int, chunk_bytes: int = CE_CHUNK_BYTES) -> int:
+    return max(1, chunk_bytes // (4 * draft_vocab))
+
+
+@torch.no_grad()
+def target_distribution(normed: torch.Tensor, head: torch.Tensor, head_vd: torch.Tensor,
+                        vocab_chunk: int = VOCAB_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """normed [B, T, H] (the target's final-normed last state), head [V, H], head_vd = head[vocab_ids].
+
+    Returns (logits over the draft vocabulary [B, T, Vd], argmax over the whole vocabulary [B, T]);
+    ties go to the lower id, as torch.argmax does. Peak: one [B, T, vocab_chunk] block.
+    """
+    logits_vd = normed @ head_vd.T
+    best_val = best_idx = None
+    for a in range(0, head.shape[0], vocab_chunk):
+        val, idx = (normed @ head[a : a + vocab_chunk].T).max(-1)
+        idx = idx + a
+        if best_val is None:
+            best_val, best_idx = val, idx
+        else:
+            better = val > best_val
+            best_val, best_idx = torch.where(better, val, best_val), torch.where(better, idx, best_idx)
+    return logits_vd, best_idx
+
+
+class SoftCrossEntropy:
+    """The TTT objective for one batch, called by the draft once per step inside that step's checkpoint.
+
+    Step i's slot t predicts token t+2+i: its target distribution is the softmax over the draft vocab
+    of the target's logits at position t+1+i, its target argmax the full-vocab one there. Loss on
+    tokens with loss_mask whose target argmax is in the draft vocab, weighted decay^i and averaged over
+    them; accuracy (draft argmax == target argmax) counted on every loss-masked token.
+    __call__ returns (weighted loss, correct, counted) for step i.
+    """
+
+    def __init__(self, draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, decay: float,
+                 chunk_rows: int | None = None):
+        self.draft, self.decay = draft, decay
+        B, T, Vd = target_vd.shape
+        self.T, self.Vd = T, Vd
+        self.target_vd = target_vd.reshape(B * T, Vd)
+        self.target_top = target_top.reshape(B * T)
+        self.loss_mask, self.vocab_ids, self.in_vocab = loss_mask.bool(), vocab_ids, in_vocab
+        self.chunk_rows = chunk_rows or ce_chunk_rows(Vd)
+
+    def __call__(self, i: int, hidden: torch.Tensor):
+        B, T, H = hidden.shape
+        n = max(T - 2 - i, 0)
+        mask = self.loss_mask[:, 2 + i : 2 + i + n]
+        b, t = mask.nonzero(as_tuple=True)
+        rows = b * T + t  # this step's slot t ...
+        targets = rows + 1 + i  # ... is scored against the target at position t+1+i
+        keep = self.in_vocab[self.target_top[targets]]
+        flat = hidden.reshape(B * T, H)
+        ce_sum = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+        for a in range(0, len(rows), self.chunk_rows):
+            part = slice(a, a + self.chunk_rows)
+            ce, hit = torch.utils.checkpoint.checkpoint(
+                self._chunk, flat, rows[part], targets[part], keep[part], use_reentrant=False)
+            ce_sum, correct = ce_sum + ce, correct + hit
+        return self.decay**i * ce_sum / keep.sum().clamp(min=1), correct, mask.sum()
+
+    def _chunk(self, flat, rows, targets, keep):
+        log_q = self.draft.lm_head(self.draft.norm(flat[rows])).float().log_softmax(-1)
+        p = self.target_vd[targets].float().softmax(-1)
+        ce = -(p * log_q).sum(-1)
+        hit = (self.vocab_ids[log_q.argmax(-1)] == self.target_top[targets]).sum()
+        return (ce * keep).sum(), hit
