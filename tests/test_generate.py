@@ -309,6 +309,8 @@ SCHEMA_ROWS = [
         {"from": "system", "value": "Answer briefly."},
         {"from": "human", "value": "What is 12 + 30?"}, {"from": "gpt", "value": "DATASET-ANSWER"}]},
     {"id": "openai", "messages": [{"role": "user", "content": "Reverse the word 'apple'."}]},
+    {"id": "specforge", "conversations": [{"role": "user", "content": "Spell 'dog' backwards."},
+                                          {"role": "assistant", "content": "DATASET-ANSWER"}]},
     {"id": "prompt", "prompt": "Is 17 even or odd?"},
     {"prompt": "What is 4 + 4?"},
     {"id": "empty", "conversations": []},
@@ -321,7 +323,7 @@ SCHEMA_ERRORS = {
     "empty": "empty conversation",
     "not-a-string": "message 0 content is int, not a string",
     "assistant-only": "no user message",
-    "unknown-role": "message 0 has unknown role 'tool'",
+    "unknown-role": 'message 0 has unknown role "tool"',
     "no-prompt": "no messages, conversations or prompt column",
 }
 
@@ -332,12 +334,16 @@ def test_schemas_recognised_and_malformed_rows_recorded_with_reasons(vllm_server
                 write_jsonl(tmp_path / "p.jsonl", SCHEMA_ROWS), "--out", out, *LEAN))
     records = {r["id"]: r for r in jsonl(out / "data.jsonl")}
     hashed = [i for i in records if i.startswith("sha256:")]
-    assert sorted(records) == sorted(["sharegpt", "openai", "prompt", *hashed]) and len(hashed) == 1
+    assert sorted(records) == sorted(["sharegpt", "openai", "specforge", "prompt", *hashed])
+    assert len(hashed) == 1
     assert [m["role"] for m in records["sharegpt"]["messages"]] == ["system", "user", "assistant"]
     assert records["sharegpt"]["messages"][-1]["content"] != "DATASET-ANSWER"
     assert records["openai"]["messages"][0] == {"role": "user",
                                                 "content": "Reverse the word 'apple'."}
     assert records["prompt"]["messages"][0] == {"role": "user", "content": "Is 17 even or odd?"}
+    assert records["specforge"]["messages"][0] == {"role": "user", "content": "Spell 'dog' backwards."}
+    assert [m["role"] for m in records["specforge"]["messages"]] == ["user", "assistant"]
+    assert records["specforge"]["messages"][-1]["content"] != "DATASET-ANSWER"
     assert {e["id"]: e["error"] for e in jsonl(out / "errors.jsonl")} == SCHEMA_ERRORS
     # The hash id is stable: a second run into a fresh directory names the row the same.
     ok(generate("--endpoint", vllm_server.base_url, "--dataset",

@@ -124,26 +124,35 @@ def padded_rows(n, pad):
         {"from": "human", "value": f"What is {i} + 1?"}]} for i in range(n)]
 
 
-def test_a_bad_line_after_the_first_read_chunk_is_its_rows_error_and_resume_goes_on(vllm_server, tmp_path):
+UNPARSABLE = '{"id": "torn", "prompt": "Wh\n["a", "list"]\n{"id": "last", "prompt": "Is 4 even?"}\n'
+
+
+@pytest.mark.parametrize("tail, more_ids, more_errors", [
+    ("", [], []),  # the "Couldn't cast array of type string to List(...)" case alone
+    (UNPARSABLE, ["last"], [("7", "line is not valid JSON"), ("8", "row is list, not an object")]),
+], ids=["type-change", "unparsable-lines"])
+def test_a_bad_line_after_the_first_read_chunk_is_its_rows_error_and_resume_goes_on(
+        vllm_server, tmp_path, tail, more_ids, more_errors):
     # `datasets`' JSON reader fixes the column types from its first ~1 MB; a later row whose
     # conversations is a string then failed the whole stream (and every resume at the same place).
-    rows = padded_rows(4, 400_000) + [{"id": "string-conversation", "conversations": "What is 2 + 2?"},
-                                      {"id": "after", "prompt": "What is 3 + 3?"}]
+    rows = padded_rows(4, 400_000) + [
+        {"id": "string-conversation", "pad": "", "conversations": "What is 2 + 2?"},
+        {"id": "after", "pad": "", "conversations": [{"from": "human", "value": "What is 3 + 3?"}]}]
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out"
     write_jsonl(prompts, rows)
     with open(prompts, "a") as f:
-        f.write('{"id": "torn", "prompt": "Wh\n["a", "list"]\n{"id": "last", "prompt": "Is 4 even?"}\n')
+        f.write(tail)
     for resume in ([], ["--resume"]):
         result = ok(generate("--endpoint", vllm_server.base_url, "--dataset", prompts, "--out", out,
                              *LEAN, *resume))
         assert "Traceback" not in result.stderr
-        assert sorted(r["id"] for r in jsonl(out / "data.jsonl")) == ["after", "last", "r0", "r1", "r2", "r3"]
+        assert sorted(r["id"] for r in jsonl(out / "data.jsonl")) == sorted(
+            ["after", "r0", "r1", "r2", "r3", *more_ids])
         errors = sorted((e["line"], e["error"]) for e in jsonl(out / "errors.jsonl"))
         assert [(line.rsplit(":", 1)[1], error.split(" (")[0]) for line, error in errors] == [
-            ("5", "conversation is str, not a list"), ("7", "line is not valid JSON"),
-            ("8", "row is list, not an object")]
+            ("5", "conversation is str, not a list"), *more_errors]
         assert {line.rsplit(":", 1)[0] for line, _ in errors} == {str(prompts)}
-    assert json.loads((out / "stats.json").read_text())["rows"]["done_before"] == 6
+    assert json.loads((out / "stats.json").read_text())["rows"]["done_before"] == 5 + len(more_ids)
 
 
 @pytest.mark.parametrize("rows, seen", [
