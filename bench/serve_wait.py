@@ -108,6 +108,7 @@ def main() -> None:
         os.environ["TMUX_TMPDIR"] = str(tmp)  # a private tmux server for the local host
         workdir = tmp / "local work"
         install_shim(workdir / "venv")
+        (workdir / "models" / "standin").mkdir(parents=True)  # `inv serve` checks the model is there
         port = free_port()
 
         def local_host(env, name):
@@ -124,6 +125,7 @@ def main() -> None:
         with loopback_sshd(tmp / "sshd", users=("root",)) as (ssh,):
             ssh_workdir = f"{ssh.workdir}/ssh work"
             install_shim(Path(ssh_workdir) / "venv")  # the loopback host shares this filesystem
+            (Path(ssh_workdir) / "models" / "standin").mkdir(parents=True)
             ssh_port = free_port()
 
             def ssh_host(env, name):

@@ -15,16 +15,23 @@ Safety rules enforced here, so callers cannot forget them:
 * :meth:`Session.run` takes an argv and quotes every argument; shell snippets go
   through :meth:`Session.sh` and must be built with :func:`quote`;
 * nothing is ever passed through Fabric's ``env=`` (it inlines values on the command
-  line); secrets travel only as files written with :meth:`Session.write_file`.
+  line); secrets travel only as files written with :meth:`Session.write_file`, which
+  creates a private file (mode 0600) with that mode in the create request itself, inside
+  a directory it makes 0700: no other user on the host can open it at any moment;
+* rsync gets ``-s`` (``--protect-args``, ``--secluded-args`` since 3.4): remote paths go
+  to the remote rsync over its protocol, never through the remote shell. An rsync here
+  that cannot do that (older than 3.0, e.g. macOS's 2.6.9) is not used: SFTP instead.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import shlex
 import shutil
 import socket
+import subprocess
 import threading
 import uuid
 from contextlib import contextmanager
@@ -200,12 +207,19 @@ class Session:
 
     # -- files -----------------------------------------------------------------------
     def write_file(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
-        """Write a whole file atomically; it has ``mode`` from birth (secrets are never readable)."""
+        """Write a whole file atomically; it has ``mode`` from birth (secrets are never readable).
+
+        A private ``mode`` (no group or other bits: a file holding secrets) also makes its
+        directory private first (:meth:`private_dir`), so neither the file nor its temporary
+        is ever reachable by another user, however briefly."""
         data = data.encode() if isinstance(data, str) else data
         parent = os.path.dirname(path)
+        private = not mode & 0o077
         tmp = f"{parent}/.{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp"
         if self._local is not None:
             os.makedirs(parent, exist_ok=True)
+            if private:
+                os.chmod(parent, 0o700)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -215,18 +229,38 @@ class Session:
         sftp = self.sftp()
         try:
             with self._watchdog(SFTP_TIMEOUT):
+                if private:
+                    self.private_dir(parent)
                 try:
-                    f = sftp.open(tmp, "wx")
+                    f = _sftp_create(sftp, tmp, mode)
                 except FileNotFoundError:  # first write into a new directory: one extra round trip
                     self.run(["mkdir", "-p", parent], timeout=30)
-                    f = sftp.open(tmp, "wx")
+                    f = _sftp_create(sftp, tmp, mode)
                 with f:
-                    f.chmod(mode)
+                    f.chmod(mode)  # exactly `mode`, whatever the server's umask took from it at birth
                     f.write(data)
                 sftp.posix_rename(tmp, path)
         except (OSError, paramiko.SSHException) as e:
             self.run(["rm", "-f", tmp], timeout=30, check=False)
             raise HostError(f"{self.host.name}: cannot write {path}: {e}") from None
+
+    def private_dir(self, path: str) -> None:
+        """Make ``path`` a directory only the login user can enter (0700), creating it if needed;
+        HostError if it cannot be (another user's directory)."""
+        if self._local is not None:
+            os.makedirs(path, exist_ok=True)
+            os.chmod(path, 0o700)
+            return
+        sftp = self.sftp()
+        try:
+            with self._watchdog(SFTP_TIMEOUT):
+                try:
+                    sftp.chmod(path, 0o700)
+                except FileNotFoundError:
+                    self.run(["mkdir", "-p", "-m", "700", path], timeout=30)
+                    sftp.chmod(path, 0o700)
+        except (OSError, paramiko.SSHException) as e:
+            raise HostError(f"{self.host.name}: cannot make {path} private (mode 0700): {e}") from None
 
     def read_file(self, path: str) -> bytes | None:
         """A file's bytes, or None if it does not exist."""
@@ -269,11 +303,14 @@ class Session:
         return argv
 
     def rsync_location(self, path: str) -> tuple[list[str], str]:
-        """(extra rsync args, destination spec) for a path on this host."""
+        """(extra rsync args, destination spec) for a path on this host.
+
+        ``-s``: an rsync before 3.2.4 (macOS's, older distributions) otherwise hands the remote
+        path to the remote shell, which splits it at spaces and runs any ``$(...)`` in it."""
         if self._local is not None:
             return [], path
         user = self._conn.user
-        return ["-e", shlex.join(self.ssh_argv())], f"{user}@{self.host.address}:{path}"
+        return ["-s", "-e", shlex.join(self.ssh_argv())], f"{user}@{self.host.address}:{path}"
 
     @contextmanager
     def tunnel(self, local_port: int, remote_port: int):
@@ -322,7 +359,33 @@ def connect(host: Host):
 
 
 def local_rsync_available() -> bool:
-    return shutil.which("rsync") is not None
+    """An rsync here that can keep remote paths away from the remote shell (-s, rsync >= 3.0);
+    without one, transfers go over SFTP."""
+    path = shutil.which("rsync")
+    return path is not None and _protects_args(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _protects_args(rsync: str) -> bool:
+    try:
+        usage = subprocess.run([rsync, "--help"], capture_output=True, text=True, timeout=10,
+                               stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--protect-args" in usage or "--secluded-args" in usage
+
+
+def _sftp_create(sftp: paramiko.SFTPClient, path: str, mode: int) -> paramiko.SFTPFile:
+    """``sftp.open(path, "wx")``, but with ``mode`` in the OPEN request itself: paramiko's open()
+    sends no attributes, so the server creates the file with its umask's mode (0644, readable by
+    all) and only a later chmod narrows it. (SFTPClient has no public call for this.)"""
+    attrs = paramiko.SFTPAttributes()
+    attrs.st_mode = mode
+    flags = paramiko.sftp.SFTP_FLAG_WRITE | paramiko.sftp.SFTP_FLAG_CREATE | paramiko.sftp.SFTP_FLAG_EXCL
+    kind, msg = sftp._request(paramiko.sftp.CMD_OPEN, path, flags, attrs)
+    if kind != paramiko.sftp.CMD_HANDLE:
+        raise paramiko.SFTPError("expected a handle")
+    return paramiko.SFTPFile(sftp, msg.get_binary(), "wx")
 
 
 def _short(script: str, limit: int = 80) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from . import fanout, urls
 from . import secrets as secrets_mod
 from .errors import SpecopsError
-from .host import Session, connect
+from .host import Session, connect, quote
 from .progress import Display, Startup
 from .servicefiles import LOOPBACK, Extraction, Layout, Policy, render
 from .supervisors import choose, host_facts
@@ -42,6 +42,7 @@ def serve(session: Session, *, supervisor: str | None = None, restart: bool = Fa
     host, layout = session.host, Layout(session.workdir)
     if not host.model:
         raise SpecopsError(f"{host.name}: no `model` in the inventory: set it to the model's directory on the host")
+    preflight(session, extract=extract)
     facts = host_facts(session, layout)
     sup = choose(session, facts, layout, supervisor, policy)
     rendered = render(host, workdir=session.workdir, user=facts.user, venv_python=session.venv_python,
@@ -60,6 +61,34 @@ def serve(session: Session, *, supervisor: str | None = None, restart: bool = Fa
     if wait:
         row.update(wait_ready(session, sup, timeout=timeout, secrets=secrets, started=started, live=live, out=out))
     return row
+
+
+_PREFLIGHT = """
+[ -x {venv}/bin/python ] || exit 20
+[ -x {venv}/bin/vllm ] || exit 21
+[ -e {model} ] || exit 22
+[ {extract} = no ] || [ -f {code}/remote/extract.py ] || exit 23
+"""
+
+
+def preflight(session: Session, *, extract: bool = False) -> None:
+    """Before anything is written or started: the venv, vLLM in it and the model are there (one round
+    trip). Without this a host never deployed starts a service that dies in a second, blaming vLLM."""
+    host, model = session.host, session.path(session.host.model)
+    venv = f"{session.workdir}/venv"  # pip installs vllm's console script with it, on either flavor
+    r = session.sh(_PREFLIGHT.format(venv=quote(venv), model=quote(model), extract="yes" if extract else "no",
+                                     code=quote(f"{session.workdir}/code")), check=False, timeout=60)
+    problem = {
+        20: f"no venv at {venv} (never deployed here?): run `inv deploy --on {host.name}`, which creates it",
+        21: f"vLLM is not installed in {venv}: run `inv deps --on {host.name} --fix`",
+        22: f"the model {model} is not on the host: copy it there, or set `model` in the inventory to where it is",
+        23: f"no deployed code in {session.workdir}/code (--extract needs it): run `inv deploy --on {host.name}`",
+    }.get(r.exit_code)
+    if problem:
+        raise SpecopsError(f"{host.name}: {problem}; nothing was started")
+    if not r.ok:
+        detail = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+        raise SpecopsError(f"{host.name}: cannot check the venv and model (exit {r.exit_code}): {detail}")
 
 
 def extraction(session: Session, layers: str | None) -> Extraction:

@@ -64,6 +64,7 @@ class Supervisor:
 
     def write(self, rendered: Rendered) -> bool:
         """Put the rendered files in place; True if any of them changed."""
+        self.session.private_dir(self.layout.dir)  # also when the env file is unchanged (an older, open dir)
         changed = self._replace(self.layout.env_file, rendered.env, 0o600)  # secrets: private from birth
         changed |= self._install(rendered)
         if self.facts.last != self.name:

@@ -5,6 +5,17 @@ stopped). When rsync is missing here or on the host, files travel over the sessi
 channel instead, skipping those already complete (same size and mtime) and continuing an
 interrupted copy from its end. Either way the caller verifies what arrived (runs write a
 manifest; see remote/manifest.py).
+
+What a host sends is not trusted to say where it goes (issue 14). The rules, all here:
+
+* a pull writes only under its local directory: every path a host names (a manifest entry,
+  an SFTP listing) goes through :func:`inside` or :func:`plain_name` before anything here is
+  written, read or deleted under it — no absolute path, no ``..``, no way through a symlink;
+* nothing a host sends becomes a symlink here (rsync without ``-l``, SFTP and the local copy
+  take regular files only), so no pulled name can point outside the directory;
+* file modes from the host are narrowed by this process's umask, never widened
+  (rsync without ``-p``; SFTP masks them);
+* remote paths never meet the remote shell (rsync ``-s``, see :meth:`Session.rsync_location`).
 """
 
 from __future__ import annotations
@@ -15,12 +26,37 @@ import shutil
 import stat
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import HostError
 from .host import Session, local_rsync_available
 
 RSYNC_IO_TIMEOUT = 60  # seconds without progress before rsync gives up (a cut link)
 RSYNC_VANISHED = 24  # rsync's exit code when source files vanished during the copy
+_FILE = "file:"  # rsync's --out-format prefix for what it transferred (its own notes have none)
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once, at import, before any thread could create a file
+
+
+def plain_name(name) -> bool:
+    """One entry of a directory listing: a name, not a path ('', '.', '..', '/' or NUL)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def inside(root, rel) -> Path:
+    """``root/rel`` if ``rel`` is a plain relative path ("draft/config.json") that stays inside
+    root and passes through no symlink here; HostError otherwise (a host that names "/etc/x",
+    "../x" or "link/x" has said something no run says)."""
+    parts = rel.split("/") if isinstance(rel, str) else None
+    if not parts or not all(plain_name(p) for p in parts):
+        raise HostError(f"the host named {rel!r:.120} as a file of the run: not a relative path inside the "
+                        f"run directory; refusing it (nothing here was written or deleted for it)")
+    path = Path(root)
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            raise HostError(f"{path} is a symlink; a pulled run never holds one (remove it and pull again)")
+    return path
 
 
 @dataclass
@@ -52,13 +88,14 @@ def _copy(src_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
     copied = 0
     for parent, dirs, names in os.walk(src_dir):
         rel = os.path.relpath(parent, src_dir)
-        os.makedirs(os.path.join(local_dir, rel), exist_ok=True)
+        os.makedirs(local_dir if rel == "." else inside(local_dir, rel), exist_ok=True)
         for name in names:
             src = os.path.join(parent, name)
             if any(fnmatch.fnmatch(name, p) for p in exclude) or os.path.islink(src):
                 continue
+            target = inside(local_dir, name if rel == "." else f"{rel}/{name}")
             try:
-                shutil.copy2(src, os.path.join(local_dir, rel, name))
+                shutil.copy2(src, target)
                 copied += 1
             except FileNotFoundError:  # vanished after the listing
                 pass
@@ -67,7 +104,8 @@ def _copy(src_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
 
 def _rsync(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
     extra, source = session.rsync_location(remote_dir.rstrip("/") + "/")
-    argv = ["rsync", "-rlpt", "--partial", "--out-format=%n", f"--timeout={RSYNC_IO_TIMEOUT}",
+    # -rt, not -a: no symlinks (-l), no modes (-p), no owners from the host; see the module docstring
+    argv = ["rsync", "-rt", "--partial", f"--out-format={_FILE}%n", f"--timeout={RSYNC_IO_TIMEOUT}",
             *[f"--exclude={pattern}" for pattern in exclude], *extra, source, local_dir.rstrip("/") + "/"]
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     # 24: "some files vanished before they could be transferred" -- a live run deleting its
@@ -76,7 +114,8 @@ def _rsync(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise HostError(f"{session.host.name}: rsync of {remote_dir} failed (exit {proc.returncode}): {last}; "
                         f"rerun to resume")
-    return Pulled("rsync", sum(1 for line in proc.stdout.splitlines() if line and not line.endswith("/")))
+    return Pulled("rsync", sum(1 for line in proc.stdout.splitlines()
+                               if line.startswith(_FILE) and not line.endswith("/")))
 
 
 def _sftp(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str, ...]) -> Pulled:
@@ -86,7 +125,7 @@ def _sftp(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str,
         pending = [""]
         while pending:
             rel = pending.pop()
-            os.makedirs(os.path.join(local_dir, rel), exist_ok=True)
+            os.makedirs(inside(local_dir, rel) if rel else local_dir, exist_ok=True)
             try:
                 listing = sftp.listdir_attr(f"{remote_dir}/{rel}" if rel else remote_dir)
             except FileNotFoundError:
@@ -94,12 +133,15 @@ def _sftp(session: Session, remote_dir: str, local_dir: str, exclude: tuple[str,
                     raise
                 continue  # a subdirectory removed after its parent was listed
             for entry in listing:
+                if not plain_name(entry.filename):
+                    raise HostError(f"{session.host.name}: the SFTP server listed {entry.filename!r:.120} in "
+                                    f"{remote_dir}/{rel}, which is not a file name; refusing the copy")
                 child = f"{rel}/{entry.filename}" if rel else entry.filename
                 if stat.S_ISDIR(entry.st_mode):
                     pending.append(child)
                 elif stat.S_ISREG(entry.st_mode) and not any(fnmatch.fnmatch(entry.filename, p) for p in exclude):
                     try:
-                        sent += _sftp_file(sftp, f"{remote_dir}/{child}", os.path.join(local_dir, child), entry)
+                        sent += _sftp_file(sftp, f"{remote_dir}/{child}", str(inside(local_dir, child)), entry)
                     except FileNotFoundError:  # deleted on the host after the listing (a live run's temporary)
                         pass
     except OSError as e:
@@ -125,7 +167,7 @@ def _sftp_file(sftp, remote_path: str, local_path: str, attrs) -> int:
         src.seek(offset)
         src.prefetch(attrs.st_size)
         shutil.copyfileobj(src, dst, 1 << 20)
-    os.chmod(partial, attrs.st_mode & 0o777)
+    os.chmod(partial, attrs.st_mode & 0o777 & ~_UMASK)
     os.utime(partial, (attrs.st_atime, attrs.st_mtime))
     os.replace(partial, local_path)
     return 1

@@ -47,10 +47,12 @@ def host_sh(host, cmd, input=None, check=True):
 
 
 def shim(host, venv):
-    """<venv>/bin/{python,vllm} → the stand-in, written over SSH (the host may have its own filesystem)."""
+    """<venv>/bin/{python,vllm} → the stand-in, written over SSH (the host may have its own filesystem);
+    and the model directory the stand-in "serves" (`inv serve` checks that it exists)."""
     text = f'#!/bin/sh\nexec /usr/bin/python3 {STANDIN} "$@"\n'
     for name in ("python", "vllm"):
-        host_sh(host, f"mkdir -p '{venv}/bin' && cat >'{venv}/bin/{name}' && chmod 755 '{venv}/bin/{name}'", text)
+        host_sh(host, f"mkdir -p '{venv}/bin' '{venv}/../models/standin' && cat >'{venv}/bin/{name}' && "
+                      f"chmod 755 '{venv}/bin/{name}'", text)
 
 
 @pytest.fixture
@@ -323,15 +325,24 @@ def test_real_vllm_under_tmux(tmp_path, netns_trio, tiny_model, api_key):
         assert api_key not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
         assert api_key not in outputs(served, status, logs)
 
+        # a model path that is not there: refused before anything is written or started (issue 14, item 10)
         missing = tmux_inventory(tmp_path, node, workdir, model="models/no such model", **common)
+        refused = inv("serve", "--on", node.name, "--wait", "--timeout", "300", inventory=missing)
+        assert refused.returncode == 1, outputs(refused)
+        assert f"the model {workdir}/models/no such model is not on the host" in refused.stdout
+        assert "nothing was started" in refused.stdout
+        assert host_sh(node, f"/usr/bin/python3 - http://127.0.0.1:{port}/health", HOST_GET).strip() == "200"
+        # a directory that is no model: vLLM itself dies while starting, and that is noticed fast
+        host_sh(node, f"mkdir -p '{workdir}/models/not a model'")
+        broken = tmux_inventory(tmp_path, node, workdir, model="models/not a model", **common)
         started = time.monotonic()
-        failed = inv("serve", "--on", node.name, "--wait", "--timeout", "300", inventory=missing, timeout=400)
+        failed = inv("serve", "--on", node.name, "--wait", "--timeout", "300", inventory=broken, timeout=400)
         took = time.monotonic() - started
         assert failed.returncode == 1, outputs(failed)
         assert took < 120, f"took {took:.0f}s to notice"
         assert "died while starting" in failed.stdout and "last 50 log lines" in failed.stderr
-        assert "no such model" in failed.stderr
-        print(f"missing model reported after {took:.0f}s")
+        assert "not a model" in failed.stderr
+        print(f"a broken model reported after {took:.0f}s")
     finally:
         inv("serve", "--on", node.name, "--stop", inventory=path)
 
