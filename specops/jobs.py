@@ -176,7 +176,7 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
 
 def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, follow=False, gpus=0, extra=(),
           on=None, out=None, states=None, stream=False,
-          rendezvous_timeout=group.RENDEZVOUS_TIMEOUT) -> tuple[str | None, int]:
+          rendezvous_timeout=group.RENDEZVOUS_TIMEOUT, dest="artifacts") -> tuple[str | None, int]:
     """One training run; several hosts = one torchrun job across them (node rank i = host i, host 0 the
     master; :mod:`specops.group`). A group trains on the generate runs' merged data, shipped to every node.
 
@@ -188,7 +188,7 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
         raise SpecopsError("--stream goes with --states EXTRACT_RUN", exit_code=2)
     grouped = len(hosts) > 1  # one sample list for every rank: the merged data, shipped to every node
     if grouped:
-        group.ship_data(hosts, [d for d in data if is_run_id(d)], out=out)
+        group.ship_data(hosts, [d for d in data if is_run_id(d)], dest=dest, out=out)
         with connect(hosts[0]) as master_session:
             port = group.free_port(master_session)
     master = group.master_address(hosts[0])
