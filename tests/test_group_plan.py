@@ -136,3 +136,18 @@ def test_every_sample_once_per_epoch_at_any_world_size(world):
         seen = [i for _ in range(steps) for r in ranks for i in next(r)[1]]
         assert sorted(seen) == list(range(len(lengths))), (world, trial)
         assert next(ranks[0])[0] == 1  # the next batch is the next epoch's: nothing of epoch 0 left over
+
+
+def test_node_wrapper_runs_the_command_once_the_masters_host_answers(tmp_path):
+    """A refusal is an answer (the master's torchrun may not listen yet): the wrapper execs the command,
+    with gloo pinned to the interface that routes to the master."""
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: a refusal
+    done = subprocess.run([sys.executable, str(REMOTE / "torchrun_node.py"), "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), "--node-rank", "1", "--timeout", "5", "--",
+                           "sh", "-c", 'echo "ran with $GLOO_SOCKET_IFNAME"'],
+                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert (done.returncode, done.stdout) == (0, "ran with lo\n"), done.stderr
