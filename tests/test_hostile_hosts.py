@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import stat
+import uuid
 from pathlib import Path
 
 import paramiko
@@ -188,7 +189,8 @@ def test_env_file_is_born_private_in_a_private_directory(tmp_path, loopback, mon
 def test_an_old_rsyncs_argument_splitting_never_reaches_the_remote_shell(tmp_path, ssh_host):
     """RSYNC_OLD_ARGS=1 makes this rsync behave like one before 3.2.4 (macOS's, older distributions):
     remote paths go through the remote shell, so `$(...)` in a workdir ran there."""
-    workdir = f"{ssh_host.workdir}/a b/$(touch PWNED)/`touch PWNED2`;touch PWNED3"
+    marks = [f"PWNED-{uuid.uuid4().hex[:8]}" for _ in range(3)]  # a leftover of another run cannot pass or fail this
+    workdir = f"{ssh_host.workdir}/a b/$(touch {marks[0]})/`touch {marks[1]}`;touch {marks[2]}"
     path = write_inventory(tmp_path / "inventory.yaml", {"bed": [ssh_host]},
                            host_vars={ssh_host.name: {"workdir": workdir}})
     old = {"RSYNC_OLD_ARGS": "1"}
@@ -202,7 +204,7 @@ def test_an_old_rsyncs_argument_splitting_never_reaches_the_remote_shell(tmp_pat
     assert proc.returncode == 0 and "rsync" in proc.stdout, proc.stdout + proc.stderr
     assert (tmp_path / "artifacts" / "run-1" / ssh_host.name / "data.jsonl").is_file()
     for where in (Path.home(), Path(ssh_host.workdir), Path(ssh_host.workdir) / "a b", REPO):
-        assert not any((where / n).exists() for n in ("PWNED", "PWNED2", "PWNED3")), where
+        assert not any((where / n).exists() for n in marks), where
 
 
 # ---------------------------------------------------------------- item 10: serve on a host never deployed
