@@ -19,6 +19,7 @@ import paramiko
 import pytest
 
 from specops import artifacts, inventory, transfer
+from specops import host as host_mod
 from specops.errors import HostError
 from specops.host import connect
 from specops.servicefiles import Layout, Policy, render
@@ -205,6 +206,19 @@ def test_an_old_rsyncs_argument_splitting_never_reaches_the_remote_shell(tmp_pat
     assert (tmp_path / "artifacts" / "run-1" / ssh_host.name / "data.jsonl").is_file()
     for where in (Path.home(), Path(ssh_host.workdir), Path(ssh_host.workdir) / "a b", REPO):
         assert not any((where / n).exists() for n in marks), where
+
+
+def test_an_rsync_that_cannot_protect_arguments_is_not_used(tmp_path, monkeypatch):
+    """rsync 2.6.9 (macOS's) has no -s: specops must not hand it a remote path at all (SFTP instead).
+    Its --help, as that version prints it, on PATH in place of this machine's rsync."""
+    old = tmp_path / "rsync"
+    old.write_text("#!/bin/sh\necho 'rsync  version 2.6.9  protocol version 29'\n"
+                   "echo ' -r, --recursive             recurse into directories'\nexit 0\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert not host_mod.local_rsync_available()
+    monkeypatch.setenv("PATH", os.path.dirname(host_mod.shutil.which("rsync", path=os.defpath) or "/usr/bin/rsync"))
+    assert host_mod.local_rsync_available()
 
 
 # ---------------------------------------------------------------- item 10: serve on a host never deployed
