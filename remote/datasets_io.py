@@ -139,21 +139,28 @@ def one_line(e):
     return text[:300]
 
 
-def take_shard(rows, n=None, shard=(0, 1)):
-    """(index, where, row) for the first n rows (all if n is None) whose index mod K == I.
+def in_shard(index, shard):
+    """Whether row `index` is in the shard: a tuple of (I, K) pairs, rows whose index mod K == I for
+    any of them (one pair per host at first; a re-planned host holds a gone host's share as more)."""
+    return any(index % count == i for i, count in shard)
+
+
+def take_shard(rows, n=None, shard=((0, 1),)):
+    """(index, where, row) for the first n rows (all if n is None) in the shard (see in_shard).
 
     n counts dataset rows before sharding, so K hosts with the same n cover n rows together.
     """
-    index, count = shard
     for i, (where, row) in enumerate(rows if n is None else itertools.islice(rows, n)):
-        if i % count == index:
+        if in_shard(i, shard):
             yield i, where, row
 
 
 def shard_size(n, shard):
     """How many of the first n rows fall in the shard."""
-    index, count = shard
-    return max(0, (n - index + count - 1) // count)
+    if len(shard) == 1:
+        index, count = shard[0]
+        return max(0, (n - index + count - 1) // count)
+    return sum(1 for i in range(n) if in_shard(i, shard))
 
 
 def prompt_chunks(messages):

@@ -60,8 +60,8 @@ def parse_args(argv=None):
                     help="hub dataset name, or a local .jsonl/.json/.parquet file or directory")
     ap.add_argument("--split", default="train")
     ap.add_argument("--n", type=positive_int, help="use the first N rows (counted before sharding)")
-    ap.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/K",
-                    help="take the rows whose index mod K == I")
+    ap.add_argument("--shard", type=shard_spec, default=((0, 1),), metavar="I/K",
+                    help="take the rows whose index mod K == I (several I/K joined by ',': any of them)")
     ap.add_argument("--shuffle", action="store_true", help="shuffle rows (buffered, seeded)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed")
     ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
@@ -101,13 +101,17 @@ def positive_int(text):
 
 
 def shard_spec(text):
-    try:
-        index, count = (int(p) for p in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected I/K, got {text!r}") from None
-    if not 0 <= index < count:
-        raise argparse.ArgumentTypeError(f"need 0 <= I < K, got {text!r}")
-    return index, count
+    """"I/K" (rows whose index mod K == I), several joined by "," -> ((I, K), ...)."""
+    pairs = []
+    for part in text.split(","):
+        try:
+            index, count = (int(p) for p in part.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected I/K[,I/K...], got {text!r}") from None
+        if not 0 <= index < count:
+            raise argparse.ArgumentTypeError(f"need 0 <= I < K, got {text!r}")
+        pairs.append((index, count))
+    return tuple(pairs)
 
 
 def sampling_params(args):

@@ -103,6 +103,7 @@ KEYS: dict[str, tuple[Callable[[Any], bool], Any]] = {
     "ansible_ssh_private_key_file": (_str, None),
     "ansible_connection": (_one_of("ssh", "local"), "ssh"),
     "known_hosts": (_str, None),  # extra known_hosts file, besides the system ones
+    "private_address": (_word, None),  # where the group's other hosts reach this one; default: ansible_host
     # where and with what specops works there
     "workdir": (_str, "~/specops"),
     "python": (_str, "python3"),
