@@ -135,9 +135,11 @@ def _sftp(session: Session, root: Path, version: Path, dest: str, *, delete: boo
     listing = session.sh(f"cd {quote(dest)} 2>/dev/null && find . -type f -printf '%P\\t%s\\t%T@\\n' || true",
                          timeout=60).stdout
     remote = {}
-    for line in listing.splitlines():
-        name, size, mtime = line.split("\t")
-        remote[name] = (int(size), int(float(mtime)))
+    for line in listing.split("\n"):
+        fields = line.split("\t")
+        if len(fields) == 3 and fields[1].isdigit() and re.fullmatch(r"\d+(\.\d*)?", fields[2]):
+            remote[fields[0]] = (int(fields[1]), int(float(fields[2])))
+        # else: a name holding a tab or a newline, which deploy never sends: not ours, left alone
     stats = {}
     for n, p in local.items():
         try:

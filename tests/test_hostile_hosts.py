@@ -18,7 +18,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from specops import artifacts, inventory, transfer
+from specops import artifacts, deploy, inventory, transfer
 from specops import host as host_mod
 from specops.errors import HostError
 from specops.host import connect
@@ -206,6 +206,20 @@ def test_an_old_rsyncs_argument_splitting_never_reaches_the_remote_shell(tmp_pat
     assert (tmp_path / "artifacts" / "run-1" / ssh_host.name / "data.jsonl").is_file()
     for where in (Path.home(), Path(ssh_host.workdir), Path(ssh_host.workdir) / "a b", REPO):
         assert not any((where / n).exists() for n in marks), where
+
+
+def test_deploy_over_sftp_leaves_a_name_with_a_newline_alone(tmp_path, ssh_host):
+    """The SFTP fallback lists code/ with `find`, one line per file: a name holding a newline (put
+    there by someone else on the host) split a line and crashed the deploy."""
+    code = Path(ssh_host.workdir) / "code"
+    code.mkdir()
+    (code / "odd\nname\t1\t2").write_text("not ours")
+    (h,) = inventory.load(bed(tmp_path, ssh_host)).select("bed")
+    with connect(h) as session:
+        version = deploy._version_file(deploy.PROJECT_ROOT, tmp_path)
+        result = deploy._sftp(session, deploy.PROJECT_ROOT, version, str(code), delete=True, dry_run=False)
+    assert result.method.startswith("sftp") and (code / "remote" / "check_deps.py").is_file()
+    assert (code / "odd\nname\t1\t2").read_text() == "not ours"
 
 
 def test_an_rsync_that_cannot_protect_arguments_is_not_used(tmp_path, monkeypatch):
