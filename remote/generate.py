@@ -13,7 +13,7 @@ is regenerated in order, sending back the model's own earlier answers (content o
 reasoning is never sent). Each finished row is one line of DIR/data.jsonl:
 
     {"id", "source", "messages": [{"role", "content", "reasoning"?}], "truncated",
-     "turns": [{"finish_reason", "usage": {...}, "latency_s", "endpoint"}], "model", "params"}
+     "turns": [{"finish_reason", "usage": {...}, "latency_s", "endpoint", "ended_at"}], "model", "params"}
 
 Exactly once: a row is appended only when all its turns are done; re-running into the same DIR
 skips the ids already there (a crash's torn last line is cut off) and retries the rest, including
@@ -43,6 +43,7 @@ from conversations import SHAPES, shape_of
 from datasets_io import (DatasetError, RowError, UnreadableRow, open_rows, prompt_chunks, row_id,
                          row_messages, shard_size, take_shard)
 from endpoints import EndpointPool, Failure, backoff_s, classify
+import report
 from run_files import RunDirError, RunFiles
 
 PROGRESS_EVERY_S = 5.0
@@ -282,7 +283,7 @@ class Generator:
             messages.append({"role": "assistant", "content": content, "reasoning": reasoning})
             sent.append({"role": "assistant", "content": content or ""})
             turns.append({"finish_reason": finish_reason, "usage": use,
-                          "latency_s": round(latency, 3), "endpoint": url})
+                          "latency_s": round(latency, 3), "endpoint": url, "ended_at": round(time.time(), 3)})
             self.count_turn(turns[-1]["usage"], content, finish_reason)
             if finish_reason == "length":  # later turns would build on a cut-off answer
                 truncated = True
@@ -410,6 +411,7 @@ async def run(args, files, rows, total):
                 next_progress += PROGRESS_EVERY_S
                 progress_line(stats.progress(pool.in_flight))
                 files.write_stats(stats.summary(pool, "running"))
+                report.refresh(args.out, "generate")
 
     def admit(where, row, seen):
         """The work item for a row, or None when it is malformed, done already or a duplicate."""
@@ -474,6 +476,7 @@ async def run(args, files, rows, total):
         await pool.close()
     progress_line(stats.progress(0))
     files.write_stats(stats.summary(pool, outcome["why"] or "completed"))
+    report.finish(args.out, "generate")
     return EXIT_CODES[outcome["why"]]
 
 

@@ -135,7 +135,7 @@ def size(n) -> str:
 
 # ---------------------------------------------------------------- generate
 
-def generate_page(run_dir: str, page: Page) -> None:
+def generate_page(run_dir: str, page: Page, source=None) -> None:
     stats = read_json(os.path.join(run_dir, "stats.json"), {})
     errors = sum(1 for _ in read_jsonl(os.path.join(run_dir, "errors.jsonl")))
     reasoning, answer, finish, ends, rows, truncated = [], [], {}, {}, 0, 0
@@ -203,7 +203,7 @@ def generate_page(run_dir: str, page: Page) -> None:
 
 # ---------------------------------------------------------------- train
 
-def train_page(run_dir: str, page: Page) -> None:
+def train_page(run_dir: str, page: Page, source=None) -> None:
     rows = [m for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if num(m.get("step"))]
     if not rows:
         page.note("No training step recorded yet (metrics.jsonl is empty).")
@@ -256,8 +256,8 @@ def smooth(values):
 
 # ---------------------------------------------------------------- eval
 
-def eval_page(run_dir: str, page: Page) -> None:
-    rep = read_json(os.path.join(run_dir, "report.json"))
+def eval_page(run_dir: str, page: Page, source=None) -> None:
+    rep = read_json(source or os.path.join(run_dir, "report.json"))
     if not isinstance(rep, dict) or not rep.get("runs"):
         page.note("No measurement yet (report.json is missing).")
         return
@@ -293,7 +293,7 @@ def eval_page(run_dir: str, page: Page) -> None:
 
 # ---------------------------------------------------------------- extract
 
-def extract_page(run_dir: str, page: Page) -> None:
+def extract_page(run_dir: str, page: Page, source=None) -> None:
     plan = read_json(os.path.join(run_dir, "plan.json"), {})
     index = read_json(os.path.join(run_dir, "index.json"), {})
     shards = sorted(((s.get("written_at"), s) for s in (index.get("shards") or {}).values()
@@ -310,23 +310,26 @@ def extract_page(run_dir: str, page: Page) -> None:
         page.note("No shard written yet." if not shards else "Shards carry no write times.")
         return
     t0 = timed[0][0]
+    top = max(written, budget or 0, index.get("peak_spool_bytes") or 0)
+    scale, unit = next(((f, u) for f, u in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if top >= f), (1, "B"))
     xs, samples, cumulative, n, b = [], [], [], 0, 0
     for t, s in timed:
         n, b = n + s.get("count", 0), b + (s.get("bytes") or 0)
         xs.append(t - t0)
         samples.append(n)
-        cumulative.append(b / 1e9)
+        cumulative.append(b / scale)
     fig, (a, c) = figure(2)
     a.step(xs, samples, where="post", color="#3b75af")
     a.set_xlabel("seconds since the first shard")
     a.set_title("samples extracted")
-    c.step(xs, cumulative, where="post", color="#e69f00", label="bytes written")
+    c.step(xs, cumulative, where="post", color="#e69f00",
+           label="written (all shards)" + (": streaming deletes each after training" if plan.get("stream") else ""))
     if budget:
-        c.axhline(budget / 1e9, color="#c0392b", linestyle="--", label="disk budget")
+        c.axhline(budget / scale, color="#c0392b", linestyle="--", label="disk budget")
     if index.get("peak_spool_bytes"):
-        c.axhline(index["peak_spool_bytes"] / 1e9, color="#4c9a2a", linestyle=":", label="peak on disk")
+        c.axhline(index["peak_spool_bytes"] / scale, color="#4c9a2a", linestyle=":", label="peak on disk")
     c.set_xlabel("seconds since the first shard")
-    c.set_ylabel("GB")
+    c.set_ylabel(unit)
     c.set_title("bytes against the disk budget")
     c.legend(fontsize="small")
     page.plot(fig, "Samples and bytes written over time")
@@ -337,8 +340,9 @@ PAGES = {"generate": generate_page, "train": train_page, "eval": eval_page, "ext
 
 # ---------------------------------------------------------------- writing
 
-def write(run_dir: str, kind: str | None = None) -> str:
-    """Draw the run's report into RUN_DIR/report.html (replaced atomically); returns its path."""
+def write(run_dir: str, kind: str | None = None, source: str | None = None) -> str:
+    """Draw the run's report into RUN_DIR/report.html (replaced atomically); returns its path.
+    ``source``: eval's JSON report when it is not RUN_DIR/report.json."""
     meta = read_json(os.path.join(run_dir, "meta.json"), {})
     kind = kind or meta.get("kind")
     if kind not in PAGES:
@@ -347,7 +351,7 @@ def write(run_dir: str, kind: str | None = None) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     page = Page(f"{kind} run {run}", f"host {meta.get('host', '?')} · started {meta.get('started', '?')} · "
                                      f"report drawn {when}")
-    PAGES[kind](run_dir, page)
+    PAGES[kind](run_dir, page, source)
     path = os.path.join(run_dir, "report.html")
     with open(path + ".tmp", "w") as f:
         f.write(page.render())
@@ -355,10 +359,10 @@ def write(run_dir: str, kind: str | None = None) -> str:
     return path
 
 
-def finish(run_dir: str, kind: str) -> None:
+def finish(run_dir: str, kind: str, source: str | None = None) -> None:
     """The end-of-run report; a report that cannot be drawn is one line in the log, never a failed run."""
     try:
-        write(run_dir, kind)
+        write(run_dir, kind, source)
     except Exception as e:  # a view of the run must not fail the run
         print(f"report.py: no report.html for {run_dir}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 

@@ -32,6 +32,7 @@ from draft_model import DraftConfig, Eagle3Draft, export
 from shard_states import ShardTargetStates, cut_batches
 from target_states import OnlineTargetStates, TargetStates
 from ttt_objective import SoftCrossEntropy, target_distribution
+import report
 
 PROGRESS_EVERY_S = 5.0
 
@@ -75,6 +76,7 @@ def parse_args(argv=None):
     ap.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard event files into OUT")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the checkpoint's own config/tokenizer code (Kimi-K2), as vLLM's flag of that name")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -298,6 +300,13 @@ def main(argv=None):
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     if os.path.exists(ckpt_path) and not args.resume:
         raise Refused(f"{args.out} already holds a run (checkpoint.pt): pass --resume or another --out")
+    tensorboard = None  # metrics.jsonl's scalars as TensorBoard event files in OUT: `tensorboard --logdir`
+    if writer and not args.no_tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise Refused("the tensorboard package is missing: run `inv deps --fix` (or pass --no-tensorboard)") from None
+        tensorboard = SummaryWriter(args.out)
 
     # Data: the target's own token stream, loss on its outputs.
     try:
@@ -419,9 +428,14 @@ def main(argv=None):
                    "sim_al": round(simulated_acceptance(acc), 4),
                    "tokens_per_s": round(tokens / (time.monotonic() - step_t0), 1),
                    "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}
+        loss_ids = input_ids[loss_mask.bool()]  # how much of this batch's loss tokens the draft vocabulary covers
+        metrics["vocab_coverage"] = round(in_vocab[loss_ids].float().sum().item() / max(1, loss_ids.numel()), 4)
         if writer:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+            for key, value in metrics.items() if tensorboard else ():
+                if key not in ("step", "epoch"):
+                    tensorboard.add_scalar(f"train/{key}", value, step + 1)
         now = time.monotonic()
         if now - last_print > PROGRESS_EVERY_S or step + 1 == total_steps:
             last_print = now
@@ -429,6 +443,8 @@ def main(argv=None):
             progress(stage="train", step=step + 1, steps=total_steps, epoch=epoch, loss=metrics["loss"],
                      acc_0=metrics["acc_0"], sim_al=metrics["sim_al"], tok_s=round(rate, 1),
                      lr=metrics["lr"], eta_s=round((total_steps - step - 1) * (now - t0) / (step + 1 - start_step)))
+            if writer:
+                report.refresh(args.out, "train")
         shard_done = stream is not None and stream.checkpoint_due(step + 1)  # its shard may go after a save
         if writer and ((step + 1) % args.save_every == 0 or step + 1 == total_steps or shard_done):
             save_checkpoint(ckpt_path, step + 1, draft, opt, sched, vocab_ids, fp, metrics)
@@ -439,6 +455,9 @@ def main(argv=None):
     if writer:
         card = model_card(args, target, stats, V, len(vocab_ids), target.aux_layer_ids, total_steps, metrics)
         export(draft, os.path.join(args.out, "draft"), dtype, card)
+        if tensorboard:
+            tensorboard.close()
+        report.finish(args.out, "train")
     if distributed:
         dist.destroy_process_group()
     progress(stage="done", steps=total_steps, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
