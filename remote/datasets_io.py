@@ -128,10 +128,15 @@ def hf_rows(name_or_path, split, shuffle_seed):
 
 def reading_errors(rows, name):
     """Re-raise any failure while reading further rows as a one-line DatasetError."""
+    read = 0
     try:
-        yield from rows
-    except Exception as e:
-        raise DatasetError(f"reading dataset '{name}' failed: {one_line(e)}") from None
+        for read, row in enumerate(rows, 1):
+            yield row
+    except DatasetError:
+        raise
+    except Exception as e:  # `datasets` typing a column from the first rows: one row that differs
+        raise DatasetError(f"reading dataset '{name}' failed after row {read}: {one_line(e)} "
+                           f"(a JSON dataset read as a local .jsonl file costs only the bad row)") from None
 
 
 def one_line(e):

@@ -324,15 +324,21 @@ def usage(u):
     return counts
 
 
+def model_ids(page):
+    """The model names a /v1/models answer lists: those that are strings (a malformed answer lists none)."""
+    data = getattr(page, "data", None)
+    return [m.id for m in data if isinstance(getattr(m, "id", None), str)] if isinstance(data, list) else []
+
+
 async def discover_model(pool, give_up_after):
     """The first model the endpoints list, asked again with backoff until give_up_after."""
     deadline = time.monotonic() + give_up_after
     for attempt in itertools.count(1):
         for endpoint in pool.endpoints:
             try:
-                models = await endpoint.client.models.list(timeout=30)
-                if models.data:
-                    return models.data[0].id
+                listed = model_ids(await endpoint.client.models.list(timeout=30))
+                if listed:
+                    return listed[0]
                 last = f"{endpoint.url} lists no model"
             except Exception as e:
                 failure = classify(e)
@@ -486,7 +492,7 @@ async def check_endpoints(args):
     try:
         for endpoint in pool.endpoints:
             try:
-                listed = [m.id for m in (await endpoint.client.models.list(timeout=30)).data]
+                listed = model_ids(await endpoint.client.models.list(timeout=30))
             except Exception as e:
                 return fail(f"{endpoint.url} does not answer ({classify(e)}); is the server up (inv serve --status)?")
             if args.model and args.model not in listed:
