@@ -27,7 +27,8 @@ A reply that is not a well-typed chat completion is a failed attempt of its row,
 Exit codes: 0 done (some rows may be in errors.jsonl), 1 the dataset failed mid-way, 2 bad input
 (arguments, dataset, output directory, an endpoint that refuses to list its models, or a dataset
 none of whose first 256 rows is in a shape read here), 3 every endpoint failed for --give-up-after
-seconds, 130/143 interrupted by SIGINT/SIGTERM. Completed rows are kept in every case. A progress line `specops-progress {json}` goes to stdout every few seconds.
+seconds, 130/143 interrupted by SIGINT/SIGTERM. Completed rows are kept in every case. A progress
+line `specops-progress {json}` goes to stdout every few seconds.
 """
 import argparse
 import asyncio
