@@ -218,9 +218,11 @@ class _Printer:
             for line in lines:
                 text = untrusted.clean(line.decode("utf-8", "replace"), self.secrets.get(host))
                 m = progress.MACHINE_LINE.search(text)
-                parsed = _progress(m.group(1)) if m else None
-                if not isinstance(parsed, dict):
+                if not m:
                     self.board.print(prefix + text)
+                    continue
+                parsed = _progress(m.group(1))
+                if not isinstance(parsed, dict):  # a torn machine line: for tools, not for a person
                     continue
                 if text[:m.start()].strip():  # e.g. a bar the script drew before it, without a newline
                     self.board.print(prefix + text[:m.start()].rstrip())

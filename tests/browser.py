@@ -41,7 +41,8 @@ class Chromium:
     def __enter__(self):
         self.profile = tempfile.mkdtemp(prefix="specops-chromium-")
         argv = [executable(), "--headless=new", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
-                "--disable-extensions", "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
+                "--disable-extensions", "--hide-scrollbars",  # a scrollbar would narrow the page as it is measured
+                "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
                 f"--window-size={self.width},{self.height}", "about:blank"]
         if os.geteuid() == 0:
             argv.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
