@@ -1,6 +1,6 @@
 """Dataset rows in, chat prompts out: the input side of remote/generate.py.
 
-Local JSON files (.jsonl, .json) are read here, one line at a time: each line is one row, and a line
+Local JSON files (.jsonl, .json; a directory's too) are read here, one line at a time: each line is one row, and a line
 that does not parse is that row's error, naming its line, while the rows around it go on. (Through
 `datasets`' JSON reader, one row whose types differ from the first chunk's fails the whole stream,
 again at the same place on every resume.) Hub datasets and parquet files, whose columns are typed,
@@ -45,8 +45,8 @@ def open_rows(name_or_path, split="train", shuffle_seed=None):
     here so that a missing hub dataset or an unreadable file fails before any work starts.
     """
     try:
-        if os.path.isfile(name_or_path) and name_or_path.lower().endswith(JSON_SUFFIXES):
-            rows = json_rows(name_or_path)
+        if files := json_files(name_or_path, split):
+            rows = itertools.chain.from_iterable(map(json_rows, files))
             if shuffle_seed is not None:
                 rows = buffered_shuffle(rows, shuffle_seed)
         else:
@@ -59,6 +59,23 @@ def open_rows(name_or_path, split="train", shuffle_seed=None):
     if first is None:
         raise DatasetError(f"dataset '{name_or_path}' (split {split}) has no rows")
     return reading_errors(itertools.chain([first], rows), name_or_path)
+
+
+def json_files(name_or_path, split):
+    """The local JSON files that make the dataset's split (a directory's: by `datasets`' own rules),
+    to be read here; None for anything else, which `datasets` streams."""
+    if os.path.isfile(name_or_path):
+        return [name_or_path] if name_or_path.lower().endswith(JSON_SUFFIXES) else None
+    if not os.path.isdir(name_or_path):
+        return None
+    builder = import_datasets().load_dataset_builder(name_or_path)
+    if builder.name != "json":
+        return None
+    splits = builder.config.data_files
+    if split not in splits:
+        raise DatasetError(f"{name_or_path} has no split '{split}' (it has {', '.join(map(str, splits))})")
+    files = list(splits[split])
+    return files if all(f.lower().endswith(JSON_SUFFIXES) for f in files) else None
 
 
 def json_rows(path):
@@ -102,15 +119,7 @@ def buffered_shuffle(rows, seed, buffer_size=SHUFFLE_BUFFER):
 
 def hf_rows(name_or_path, split, shuffle_seed):
     """The rows of a hub dataset, a parquet file or a directory, streamed by `datasets`."""
-    import datasets
-    import huggingface_hub
-
-    # datasets imports torch (~190 MB) for DataLoader workers, which a streaming reader never uses.
-    datasets.config.TORCH_AVAILABLE = False
-    # Both libraries log every retry of an unreachable hub; the caller prints one line instead.
-    datasets.logging.set_verbosity_error()
-    huggingface_hub.utils.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
+    datasets = import_datasets()
     if os.path.isfile(name_or_path):
         ext = os.path.splitext(name_or_path)[1].lower()
         if ext not in FILE_BUILDERS:
@@ -124,6 +133,20 @@ def hf_rows(name_or_path, split, shuffle_seed):
     if shuffle_seed is not None:
         ds = ds.shuffle(seed=shuffle_seed, buffer_size=SHUFFLE_BUFFER)
     return iter(ds)
+
+
+def import_datasets():
+    """`datasets`, imported only for what this module does not read itself, and made quiet."""
+    import datasets
+    import huggingface_hub
+
+    # datasets imports torch (~190 MB) for DataLoader workers, which a streaming reader never uses.
+    datasets.config.TORCH_AVAILABLE = False
+    # Both libraries log every retry of an unreachable hub; the caller prints one line instead.
+    datasets.logging.set_verbosity_error()
+    huggingface_hub.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    return datasets
 
 
 def reading_errors(rows, name):

@@ -155,6 +155,22 @@ def test_a_bad_line_after_the_first_read_chunk_is_its_rows_error_and_resume_goes
     assert json.loads((out / "stats.json").read_text())["rows"]["done_before"] == 5 + len(more_ids)
 
 
+def test_a_directory_of_json_files_is_read_line_by_line_too(tmp_path):
+    from datasets_io import open_rows
+
+    # A directory went through `datasets` with its default 10 MB chunks: the bad row comes after them.
+    (tmp_path / "data").mkdir()
+    rows = padded_rows(30, 400_000) + [{"id": "bad", "pad": "", "conversations": "What is 2 + 2?"}]
+    write_jsonl(tmp_path / "data" / "train-0.jsonl", rows)
+    write_jsonl(tmp_path / "data" / "train-1.jsonl", [{"id": "next-file", "prompt": "Is 5 odd?"}])
+    write_jsonl(tmp_path / "data" / "test.jsonl", [{"id": "other-split", "prompt": "Is 6 odd?"}])
+    read = [(where.rsplit("/", 1)[1], row["id"]) for where, row in open_rows(str(tmp_path))]
+    assert read == [*((f"train-0.jsonl:{i + 1}", f"r{i}") for i in range(30)), ("train-0.jsonl:31", "bad"),
+                    ("train-1.jsonl:1", "next-file")]
+    with pytest.raises(Exception, match=r"has no split 'validation' \(it has train, test\)"):
+        open_rows(str(tmp_path), "validation")
+
+
 @pytest.mark.parametrize("rows, seen", [
     ([{"text": "hello", "label": 1}, {"text": "bye", "label": 0}], '{"text": str, "label": int}'),
     ([{"messages": [{"speaker": "me", "says": "hi"}]}] * 3, '{"messages": [{"speaker", "says"}]}'),
