@@ -1,10 +1,10 @@
 """Dataset rows in, chat prompts out: the input side of remote/generate.py.
 
-Local JSON files (.jsonl, .json; a directory's too) are read here, one line at a time: each line is one row, and a line
-that does not parse is that row's error, naming its line, while the rows around it go on. (Through
-`datasets`' JSON reader, one row whose types differ from the first chunk's fails the whole stream,
-again at the same place on every resume.) Hub datasets and parquet files, whose columns are typed,
-come through `datasets` in streaming mode. Memory stays flat whatever the dataset's size.
+Local JSON files (.jsonl, .json, a directory's) are read here, one line at a time: each line is one
+row, and a line that does not parse is that row's error, naming its line, while the rows around it
+go on. (Through `datasets`' JSON reader, one row whose types differ from the first chunk's fails the
+whole stream, again at the same place on every resume.) Hub datasets and parquet files, whose
+columns are typed, come through `datasets` in streaming mode. Memory stays flat whatever the size.
 
 A row becomes a conversation through remote/conversations.py (the shapes read are listed there);
 one that cannot raises RowError with a reason, which the caller records instead of crashing.
