@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import artifacts, fanout
+from . import artifacts, fanout, transfer
 from .errors import SpecopsError
 from .host import Session, quote
 from .inventory import Host
@@ -87,16 +87,18 @@ def ship_data(hosts: list[Host], run_ids: list[str], *, dest: str = "artifacts",
             raise SpecopsError(f"cannot train the group on {run_id}: its rows are not all home and merged "
                                f"(inv pull output above{'; exit ' + str(rc) if rc else ''}); finish or re-plan the "
                                f"generate run (inv generate --name {run_id} --resume), then train again")
-        data = source.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
+        digest, rows = hashlib.sha256(), 0
+        with open(source, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+                rows += block.count(b"\n")
 
         def put(session: Session) -> dict:
             path = shipped_path(session, run_id)
-            have = session.sh(f"sha256sum {quote(path)} 2>/dev/null", check=False, timeout=120).stdout.split()
-            if have[:1] != [digest]:
-                session.write_file(path, data)
-            return {"data": run_id, "rows": data.count(b"\n"), "shipped": "no (same)" if have[:1] == [digest]
-                    else f"{len(data)} bytes"}
+            have = session.sh(f"sha256sum {quote(path)} 2>/dev/null", check=False, timeout=600).stdout.split()
+            same = have[:1] == [digest.hexdigest()]
+            return {"data": run_id, "rows": rows,
+                    "shipped": "no (same there)" if same else transfer.push_file(session, str(source), path)}
 
         rc = fanout.report(fanout.each(hosts, put), out=out)
         if rc:

@@ -171,3 +171,36 @@ def _sftp_file(sftp, remote_path: str, local_path: str, attrs) -> int:
     os.utime(partial, (attrs.st_atime, attrs.st_mtime))
     os.replace(partial, local_path)
     return 1
+
+
+def push_file(session: Session, local_path: str, remote_path: str) -> str:
+    """Copy one local file to remote_path on the host (parents created), replacing it whole; the method.
+
+    rsync where both sides have it (resumable with --partial; it renames into place when done),
+    else SFTP into a temporary name renamed into place: a reader never sees half a file.
+    """
+    parent = os.path.dirname(remote_path)
+    if session.host.is_local:
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{remote_path}.partial"
+        shutil.copyfile(local_path, tmp)
+        os.replace(tmp, remote_path)
+        return "copy"
+    session.run(["mkdir", "-p", parent], timeout=30)
+    if local_rsync_available() and host_has_rsync(session):
+        extra, target = session.rsync_location(remote_path)
+        proc = subprocess.run(["rsync", "-t", "--partial", f"--timeout={RSYNC_IO_TIMEOUT}", *extra, local_path,
+                               target], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if proc.returncode:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise HostError(f"{session.host.name}: rsync to {remote_path} failed (exit {proc.returncode}): {last}; "
+                            f"rerun to resume")
+        return "rsync"
+    sftp = session.sftp()
+    tmp = f"{parent}/.{os.path.basename(remote_path)}.partial"
+    try:
+        sftp.put(local_path, tmp)
+        sftp.posix_rename(tmp, remote_path)
+    except OSError as e:
+        raise HostError(f"{session.host.name}: cannot write {remote_path} over SFTP: {e}") from None
+    return "sftp (rsync missing)"

@@ -8,6 +8,7 @@ TCP relay forwards to the server through the test bed's bridge. Cutting a host's
 off the server as well as off SSH, as a dead host is.
 """
 import json
+import os
 import subprocess
 import sys
 import time
@@ -57,7 +58,7 @@ while True:
 PORT = 8000  # each host's "own vLLM" (the relay)
 GEN = ["--dataset", "examples/prompts.jsonl"]
 GEN_EXTRA = ["--", "--max-tokens", "200", "--concurrency", "4", "--give-up-after", "900"]
-TRAIN_EXTRA = ["--", "--lr", "1e-2", "--batch-tokens", "1024", "--ttt-steps", "3", "--include-truncated"]
+TRAIN_EXTRA = ["--", "--lr", "1e-2", "--batch-tokens", "1024", "--max-len", "512", "--ttt-steps", "3", "--include-truncated"]
 
 
 def sh(host, cmd, input=None, check=True, timeout=120):
@@ -226,3 +227,22 @@ def test_a_node_that_cannot_reach_the_master_fails_in_one_line(bed, tmp_path):
         stopped = inv("stop", run_id, "--on", "pair", "--grace", "3", inventory=path, timeout=120)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert not live(path, node1, run_id) and not live(path, node2, run_id)
+
+
+@pytest.mark.parametrize("rsync", [True, False])
+def test_shipping_replaces_the_file_whole_over_rsync_or_sftp(tmp_path, ssh_host, monkeypatch, rsync):
+    """The merged data reaches a node by rsync, or SFTP where rsync is missing here, renamed into place."""
+    from specops import transfer
+    if not rsync:
+        monkeypatch.setattr(transfer, "local_rsync_available", lambda: False)
+    path = write_inventory(tmp_path / "inventory.yaml", {"one": [ssh_host]})
+    host = inventory_mod.load(path).select("one")[0]
+    local = tmp_path / "merged.jsonl"
+    local.write_bytes(b'{"id": "a b $(x)"}\n' * 5000)
+    target = f"{ssh_host.workdir}/data/gen 1/merged.jsonl"
+    with connect(host) as s:
+        assert transfer.push_file(s, str(local), target) == ("rsync" if rsync else "sftp (rsync missing)")
+        local.write_bytes(b'{"id": "b"}\n')
+        transfer.push_file(s, str(local), target)
+    assert open(target, "rb").read() == b'{"id": "b"}\n'  # a loopback host shares this filesystem
+    assert sorted(os.listdir(os.path.dirname(target))) == ["merged.jsonl"]
