@@ -11,7 +11,6 @@ merged data (see its docstring for why that and not an exchange between ranks).
 from __future__ import annotations
 
 import hashlib
-import shlex
 import sys
 from pathlib import Path
 
@@ -51,10 +50,6 @@ def node_argv(python: str, wrapper: str, script: str, script_args: list[str], *,
             python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
             f"--nproc-per-node={nproc}", f"--master-addr={master_addr}", f"--master-port={master_port}",
             f"--rdzv-id={run_id}", f"--rdzv-conf=timeout={int(join_timeout)}", script, *script_args]
-
-
-def describe(argv: list[str]) -> str:
-    return shlex.join(argv)
 
 
 # ---------------------------------------------------------------- one sample list for every rank
