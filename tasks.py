@@ -115,18 +115,21 @@ def generate(c, n=None, on=None, inventory=None, dataset=None, name=None, resume
 @task(iterable=["data"],
       help={**HOST_HELP, **RUN_NAME_HELP, "data": "generate run id (or data.jsonl path on the host); repeatable",
             "steps": "optimizer steps", "epochs": "passes over the data (default 1)",
-            "gpus": "processes per host for torchrun (multi-GPU / multi-node)",
+            "gpus": "torchrun processes per host (default: the inventory's `gpus`, else every GPU nvidia-smi lists)",
+            "plan": "print the memory/speed plan on each host (its model's config.json, no weights) and exit",
             "states": "extract run id (or shard directory on the host): train from vLLM's states, not the model",
             "stream": "with --states: consume shards while the extraction writes them, deleting each after use",
             "rendezvous_timeout": "group: seconds a node tries to reach the master before failing",
             "dest": "group: local directory where the --data runs are pulled and merged before shipping"})
 def train(c, data=None, on=None, inventory=None, steps=None, epochs=None, gpus=0, name=None, resume=False,
-          follow=False, states=None, stream=False, rendezvous_timeout=60, dest="artifacts"):
+          follow=False, states=None, stream=False, rendezvous_timeout=60, dest="artifacts", plan=False):
     """Train an EAGLE-3 draft for the host's model (a detached run; exports <run>/draft for vLLM).
 
     Extra flags for remote/train.py go after `--`, e.g. `-- --draft-vocab 32000 --lr 1e-4`.
     """
     hosts = select_hosts(c, inventory, on)
+    if plan:
+        return jobs.train_plan(hosts, gpus=int(gpus), states=states, extra=remainder())
     return jobs.train(hosts, data=data, steps=steps, epochs=epochs, gpus=int(gpus), name=name, resume=resume,
                       follow=follow, extra=remainder(), on=on, states=states, stream=stream,
                       rendezvous_timeout=float(rendezvous_timeout), dest=dest)[1]

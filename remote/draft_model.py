@@ -41,6 +41,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from train_plan import draft_shape
+
 
 @dataclass
 class DraftConfig:
@@ -58,15 +60,17 @@ class DraftConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftConfig":
-        """Shape the draft like one layer of the target (a transformers config)."""
-        heads = target.num_attention_heads
+    def from_target(cls, target, draft_vocab_size: int, aux_layer_ids: list[int], heads: int | None = None,
+                    kv_heads: int | None = None, intermediate: int | None = None) -> "DraftConfig":
+        """Shape the draft from the target (a transformers config): train_plan.draft_shape's rule, so the
+        plan and the run agree (the target's layer, at most 8 kv heads, unless the flags say otherwise)."""
+        shape = draft_shape(target.to_dict(), draft_vocab_size, heads, kv_heads, intermediate)
         return cls(
             hidden_size=target.hidden_size,
-            intermediate_size=target.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
+            intermediate_size=shape.intermediate,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
             vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=list(aux_layer_ids),
@@ -144,24 +148,27 @@ def ttt_attention(q, cache: list, groups: int) -> torch.Tensor:
     Step 0's part is one causal SDPA (flash on a GPU); the i diagonal scores are merged with it through
     its log-sum-exp. The kernels give no gradient for the lse, so it carries a surrogate with the exact
     one: d lse/dq = scale * P K and d lse/dK = scale * P^T q (P the causal attention), which is what
-    `scale * rowsum(q * SDPA(q', K', K))` differentiates to with q' and K' held constant.
+    `scale * rowsum(q * SDPA(q', K', K))` differentiates to with q' and K' held constant. Query heads
+    meet their kv head by broadcasting (no repeated copies of k and v are kept for backward).
     """
-    expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
-    k0, v0 = expand(cache[0][0]), expand(cache[0][1])
-    o0 = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+    B, nh, T, hd = q.shape
+    k0, v0 = cache[0]
+    o0 = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=groups > 1)
     if len(cache) == 1:
         return o0
-    scale = q.shape[-1] ** -0.5
+    scale = hd**-0.5
     qd, k0d = q.detach(), k0.detach()
-    pk = F.scaled_dot_product_attention(qd, k0d, k0, is_causal=True)
+    pk = F.scaled_dot_product_attention(qd, k0d, k0, is_causal=True, enable_gqa=groups > 1)
     surrogate = scale * (q.float() * pk.float()).sum(-1)
-    lse0 = causal_lse(qd, k0d, v0.detach()) + (surrogate - surrogate.detach())
-    diag = [scale * (q.float() * expand(kj).float()).sum(-1) for kj, _ in cache[1:]]
-    w = torch.stack([lse0, *diag], dim=-1).softmax(-1)  # [B, nh, T, 1 + i]
-    out = w[..., :1] * o0.float()
+    expand = (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t)
+    lse0 = causal_lse(qd, expand(k0d), expand(v0.detach())) + (surrogate - surrogate.detach())
+    qg = q.float().view(B, -1, groups, T, hd)  # [B, nkv, groups, T, hd]
+    diag = [scale * (qg * kj.float().unsqueeze(2)).sum(-1).view(B, nh, T) for kj, _ in cache[1:]]
+    w = torch.stack([lse0, *diag], dim=-1).softmax(-1).view(B, -1, groups, T, len(cache))
+    out = w[..., :1] * o0.float().view(B, -1, groups, T, hd)
     for j, (_, vj) in enumerate(cache[1:], start=1):
-        out = out + w[..., j : j + 1] * expand(vj).float()
-    return out.to(o0.dtype)
+        out = out + w[..., j : j + 1] * vj.float().unsqueeze(2)
+    return out.view(B, nh, T, hd).to(o0.dtype)
 
 
 class Attention(nn.Module):

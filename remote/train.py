@@ -30,6 +30,7 @@ import torch.distributed as dist
 from chat_render import ChatRenderer, Sample, data_files, render_records
 from draft_model import DraftConfig, Eagle3Draft, export
 from shard_states import ShardTargetStates, cut_batches
+import train_plan
 from target_states import OnlineTargetStates, TargetStates
 from ttt_objective import SoftCrossEntropy, target_distribution
 import report
@@ -59,8 +60,15 @@ def process_group_backend(use_cuda: bool) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target model (HF directory or name)")
-    ap.add_argument("--data", action="append", required=True, help="data.jsonl, messages jsonl, or a directory")
-    ap.add_argument("--out", required=True, help="run directory")
+    ap.add_argument("--data", action="append", help="data.jsonl, messages jsonl, or a directory (required)")
+    ap.add_argument("--out", help="run directory (required)")
+    ap.add_argument("--plan", action="store_true", help="print the memory and speed plan from TARGET/config.json "
+                                                        "(no weights read) and exit: 0 if it fits, 2 if not")
+    ap.add_argument("--gpu-gb", type=float, help="memory per GPU for the plan (default: this machine's GPU)")
+    ap.add_argument("--gpus", type=int, help="GPUs for --plan (default: torchrun's world size, else this machine's)")
+    ap.add_argument("--draft-heads", type=int, help="draft attention heads (default: the target's)")
+    ap.add_argument("--draft-kv-heads", type=int, help="draft kv heads (default: the target's, at most 8)")
+    ap.add_argument("--draft-intermediate", type=int, help="draft MLP width (default: the target's intermediate_size)")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (capped at the target's)")
     ap.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length")
     ap.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay per TTT step")
@@ -70,7 +78,8 @@ def parse_args(argv=None):
     length.add_argument("--steps", type=int, help="optimizer steps")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps with a linear warmup")
-    ap.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per batch per rank")
+    ap.add_argument("--batch-tokens", default="auto",
+                    help="padded tokens per batch per rank; auto (default): the largest the plan fits")
     ap.add_argument("--grad-clip", type=float, default=0.5)
     ap.add_argument("--aux-layers", help="a,b,c in vLLM's convention (id k = input of layer k; L = last output)")
     ap.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
@@ -87,9 +96,20 @@ def parse_args(argv=None):
     ap.add_argument("--stream", action="store_true", help="with --states: train on shards as extraction writes "
                                                           "them, deleting each after its last use")
     args = ap.parse_args(argv)
-    for name in ("draft_vocab", "ttt_steps", "max_len", "batch_tokens", "save_every"):
-        if getattr(args, name) < 1:
+    if not args.plan and (not args.data or not args.out):
+        ap.error("--data and --out are required (or --plan)")
+    if args.batch_tokens != "auto":
+        try:
+            args.batch_tokens = int(args.batch_tokens)
+        except ValueError:
+            ap.error("--batch-tokens takes a number or auto")
+    for name in ("draft_vocab", "ttt_steps", "max_len", "batch_tokens", "save_every", "draft_heads",
+                 "draft_kv_heads", "draft_intermediate", "gpus"):
+        value = getattr(args, name)
+        if value is not None and value != "auto" and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.draft_heads and args.draft_kv_heads and args.draft_heads % args.draft_kv_heads:
+        ap.error("--draft-heads must be a multiple of --draft-kv-heads")
     if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
         ap.error("--steps/--epochs must be positive")
     if not 0 <= args.warmup < 1:
@@ -276,6 +296,56 @@ Use: `python -m vllm.entrypoints.openai.api_server --model {args.target} --specu
 """
 
 
+# ---------------------------------------------------------------- plan
+
+
+def make_plan(args, use_cuda: bool, device, world: int) -> dict | None:
+    """The plan for this run (train_plan.py); None when the target's config.json is not a local file
+    (a hub name: then --batch-tokens must be a number)."""
+    try:
+        config = train_plan.text_config(args.target)
+    except (OSError, ValueError) as e:
+        if args.plan or args.batch_tokens == "auto":
+            raise Refused(f"cannot plan: {args.target}/config.json: {getattr(e, 'strerror', None) or e} "
+                          "(--plan and --batch-tokens auto read the target's config.json; pass a number)") from None
+        return None
+    try:
+        shape = train_plan.draft_shape(config, args.draft_vocab, args.draft_heads, args.draft_kv_heads,
+                                       args.draft_intermediate)
+    except KeyError as e:
+        raise Refused(f"cannot plan: {args.target}/config.json has no {e}") from None
+    if args.gpu_gb:
+        gpu_gb = args.gpu_gb
+    elif use_cuda:
+        gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    elif args.plan:
+        raise Refused("--plan on a machine without a GPU needs --gpu-gb (141 for an H200, 80 for an H100)")
+    else:
+        gpu_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9  # the CPU trains in RAM
+    gpus = args.gpus or (world if launched_by_torchrun() else (torch.cuda.device_count() if use_cuda else 1)) or 1
+    online = not args.states
+    return train_plan.plan(config, shape=shape, gpus=gpus, gpu_gb=gpu_gb, ttt=args.ttt_steps,
+                           batch_tokens=args.batch_tokens, max_len=args.max_len, online=online,
+                           target_bytes=train_plan.target_weight_bytes(args.target, config, 2 if use_cuda or args.plan
+                                                                       else 4) if online else 0,
+                           gpu_name=train_plan.gpu_name(gpu_gb), cpu=not (use_cuda or args.plan))
+
+
+def resolve_batch_tokens(args, memory_plan: dict) -> int:
+    """The plan's batch (auto: the largest that fits), kept in OUT/plan.json: a resumed auto run cuts the
+    batches the interrupted one cut, whatever GPU it resumes on."""
+    path = os.path.join(args.out, "plan.json")
+    if args.batch_tokens == "auto" and args.resume and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)["batch_tokens"]
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(memory_plan, f, indent=1)
+        os.replace(path + ".tmp", path)
+    return memory_plan["batch_tokens"]
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -295,11 +365,25 @@ def main(argv=None):
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)
     dtype = torch.bfloat16 if bf16 else torch.float32
     writer = local_rank == 0  # one writer per host: multi-node runs keep a full copy on every node
-    os.makedirs(args.out, exist_ok=True)
+
+    # The plan, from config.json alone: refuse what cannot fit before anything is loaded.
+    memory_plan = make_plan(args, use_cuda, device, world)
+    if args.plan:
+        print(json.dumps(memory_plan, separators=(",", ":")))
+        print(train_plan.table(memory_plan))
+        return 0 if memory_plan["fits"] else 2
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     if os.path.exists(ckpt_path) and not args.resume:
         raise Refused(f"{args.out} already holds a run (checkpoint.pt): pass --resume or another --out")
+    if memory_plan is not None:
+        if not memory_plan["fits"]:
+            raise Refused(memory_plan["reason"] + " (remote/train.py --plan shows the whole plan)")
+        args.batch_tokens = resolve_batch_tokens(args, memory_plan)
+        progress(stage="plan", **{k: memory_plan[k] for k in (
+            "batch_tokens", "largest_batch_tokens", "peak_gb", "gpu_gb", "activation_bytes_per_token",
+            "trainable_params", "tokens_per_s")})
+    os.makedirs(args.out, exist_ok=True)
     tensorboard = None  # metrics.jsonl's scalars as TensorBoard event files in OUT: `tensorboard --logdir`
     if writer and not args.no_tensorboard:
         try:
@@ -357,7 +441,8 @@ def main(argv=None):
     else:
         vocab_ids = draft_vocab(samples, V, min(args.draft_vocab, V))
     torch.manual_seed(args.seed)
-    config = DraftConfig.from_target(target.config, len(vocab_ids), target.aux_layer_ids)
+    config = DraftConfig.from_target(target.config, len(vocab_ids), target.aux_layer_ids, heads=args.draft_heads,
+                                     kv_heads=args.draft_kv_heads, intermediate=args.draft_intermediate)
     draft = Eagle3Draft(config, target.embeddings().to(device, dtype), vocab_ids).to(device)  # frozen: dtype
     vocab_ids = vocab_ids.to(device)
     in_vocab = torch.zeros(V, dtype=torch.bool, device=device)
@@ -466,7 +551,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        main()
+        sys.exit(main())
     except Refused as e:
         print(f"train.py: {e}", file=sys.stderr)
         sys.exit(2)

@@ -202,15 +202,16 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
             a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
         a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
         a += trust_remote_code(session)
-        if count == 1 and not gpus:
+        nproc = gpus or host_gpu_count(session)  # every GPU the host has, one torchrun process each
+        if count == 1 and not nproc:
             return script(session, "train.py") + a + list(extra)
         if grouped:
             return group.node_argv(session.venv_python, code(session, "remote/torchrun_node.py"),
                                    code(session, "remote/train.py"), a + list(extra), nnodes=count, node_rank=index,
-                                   nproc=gpus or 1, master_addr=master, master_port=port, run_id=run_id,
+                                   nproc=nproc or 1, master_addr=master, master_port=port, run_id=run_id,
                                    rendezvous_timeout=rendezvous_timeout)
         launcher = [session.venv_python, "-m", "torch.distributed.run", f"--nnodes={count}",
-                    f"--node-rank={index}", f"--nproc-per-node={gpus or 1}", f"--master-addr={master}",
+                    f"--node-rank={index}", f"--nproc-per-node={nproc or 1}", f"--master-addr={master}",
                     f"--master-port={TORCHRUN_PORT}"]
         return launcher + [code(session, "remote/train.py")] + a + list(extra)
 
@@ -219,6 +220,34 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
     return run_id, rc
+
+
+def host_gpu_count(session: Session) -> int:
+    """The GPUs a run on this host gets: the inventory's `gpus` list, else what nvidia-smi lists (0: none)."""
+    if session.host.gpus:
+        return len([g for g in str(session.host.gpus).split(",") if g.strip()])
+    r = session.sh("nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true", check=False)
+    try:
+        return int(r.stdout.strip() or 0)
+    except ValueError:
+        return 0
+
+
+def train_plan(hosts, *, gpus=0, states=None, extra=(), out=None) -> int:
+    """``inv train --plan``: remote/train.py --plan on each host (its model's config.json, its GPUs); prints
+    each plan, exit 2 if any does not fit."""
+    out = out or sys.stdout
+    rc = 0
+    for host in hosts:
+        with connect(host) as session:
+            argv = script(session, "train.py") + ["--plan", "--target", model_path(session)]
+            n = gpus or host_gpu_count(session)
+            argv += (["--gpus", str(n)] if n else []) + (["--states", "."] if states else [])
+            r = session.run(argv + trust_remote_code(session) + list(extra), check=False, timeout=600)
+        print(f"== {host.name}", file=out)
+        print((r.stdout + r.stderr).rstrip(), file=out)
+        rc = max(rc, r.exit_code)
+    return rc
 
 
 # ---------------------------------------------------------------- eval

@@ -1,0 +1,219 @@
+"""What a training run will cost, from the target's config.json alone, before a GPU-hour is spent.
+
+    python remote/train.py --plan --target DIR [--gpu-gb 141] [--gpus 8] [--batch-tokens N|auto]
+
+Per GPU: the trainable draft (fp32 master weights, gradients, AdamW moments, DDP's gradient
+buckets, autocast's bf16 weight copies), the frozen tensors (the target's embedding, and its
+final norm + lm_head for the loss: the shard path loads those alone; the online path the
+whole target), and the activations of one step, which grow with the batch's tokens.
+
+Activations are counted tensor by tensor from what the lean step (draft_model.py,
+ttt_objective.py) keeps: per token, the inputs (ids, the aux and last states, the target's
+logits over the draft vocabulary) and, for each TTT step, its output state, keys and values
+(the step itself is checkpointed); plus one step's recomputed activations while its backward
+runs (its saved tensors, and their gradients: BACKWARD_FACTOR, measured on the CPU). The
+loss and vocabulary chunks cost a fixed amount, not per token. tests/test_train.py checks
+the per-token figure against the peak RSS of real steps at a reduced width (within 25 %).
+
+Speed: FLOPs of forward + backward + the checkpoint's recomputation, at an assumed
+sustained rate per GPU (ASSUMED_TFLOPS, stated in the output): a plan, not a promise.
+"""
+import json
+import os
+from dataclasses import asdict, dataclass
+
+GIB = 2**30
+BACKWARD_FACTOR = 1.0  # one step's peak while its backward runs / the saved tensors counted below (CPU, fp32)
+RESERVE_GB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation
+ASSUMED_TFLOPS = {"H200": 400.0, "H100": 400.0, "default": 300.0}  # sustained bf16 on this step's matmuls
+CE_CHUNK_BYTES = 256 * 2**20  # as ttt_objective.py
+VOCAB_CHUNK = 16384
+CPU_AUTO_BATCH = 16384  # --batch-tokens auto on a CPU (RAM would allow whole data sets in one batch)
+
+
+@dataclass
+class DraftShape:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    draft_vocab: int
+    vocab: int
+    aux: int = 3
+
+    def trainable_params(self) -> int:
+        H, Q, K = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = 2 * H * (Q + 2 * K) + Q * H
+        return self.aux * H * H + attention + 3 * H * self.intermediate + self.draft_vocab * H + 4 * H
+
+
+def text_config(path: str) -> dict:
+    """The target's config.json (its text part for multimodal checkpoints such as Kimi-K2.5)."""
+    file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    return config.get("text_config") or config
+
+
+def draft_shape(config: dict, draft_vocab: int, heads=None, kv_heads=None, intermediate=None) -> DraftShape:
+    """The draft's shape: the flags where given, else draft_defaults."""
+    d = draft_defaults(config)
+    heads = heads or d["heads"]
+    return DraftShape(hidden=config["hidden_size"], intermediate=intermediate or d["intermediate"], heads=heads,
+                      kv_heads=kv_heads or min(d["kv_heads"], heads),
+                      head_dim=d["head_dim"] if heads == d["heads"] else config["hidden_size"] // heads,
+                      draft_vocab=min(draft_vocab, config["vocab_size"]), vocab=config["vocab_size"])
+
+
+def draft_defaults(config: dict) -> dict:
+    """One layer shaped like the target's, with at most 8 kv heads: for Kimi-K2 (64 heads of 112, MLP
+    18432) ~0.96B trainable parameters at Vd 32000, within the public Kimi drafts' ~1B; a target with
+    fewer kv heads (the tiny one: 2) keeps its own shape exactly."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    return {"heads": heads, "kv_heads": min(kv, 8), "intermediate": config["intermediate_size"],
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads}
+
+
+def step_activation_bytes(s: DraftShape, tokens: int, ttt: int, act: int = 2, states: int = None,
+                          frozen: int = None, chunk_rows: int = None, vocab_chunk: int = VOCAB_CHUNK) -> int:
+    """Peak activation bytes of one step at `tokens` tokens. act: bytes of an autocast activation
+    (2 under bf16, 4 on the CPU's fp32); states/frozen: bytes of the target's states and logits
+    (default: act). Norm statistics and the attention merge are fp32 either way."""
+    states = states or act
+    frozen = frozen or act
+    H, I, Vd = s.hidden, s.intermediate, s.draft_vocab
+    Q, K = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    # kept for the whole step, per token
+    inputs = 3 * 8 + (s.aux + 1) * H * states + Vd * frozen + 8  # ids/masks, aux + last states, target logits, argmax
+    per_ttt_step = (H + 2 * K) * act + 2 * 8 + 1  # output state, k, v; the loss's row indexes
+    kept = inputs + H * act + ttt * per_ttt_step  # + fc's output
+    cache_grads = ttt * 2 * K * act  # gradients of the earlier steps' keys and values, held during backward
+    # one step's saved tensors (recomputed under its checkpoint), per token
+    fp32 = 3 * H + 2 * H + H + 3 * Q  # normed embed/hidden/residual, cat, post-norm output; merge inputs
+    half = H + 3 * Q + 2 * K + 2 * Q + Q + H + 4 * I  # embeds, q/rot/rope, k/rot, SDPA outs, o_proj input, MLP
+    step = (fp32 * 4 + half * act) * BACKWARD_FACTOR
+    rows = chunk_rows or max(1, CE_CHUNK_BYTES // (4 * Vd))
+    loss_chunk = 5 * min(rows, tokens) * Vd * 4  # logits, log-softmax, softmax, product, gradient: fixed size
+    step_phase = (kept + cache_grads + step) * tokens + loss_chunk
+    # before the forward: the target's logits a vocabulary chunk at a time, next to the inputs
+    target_phase = (inputs + min(vocab_chunk, s.vocab) * 4) * tokens
+    return int(max(step_phase, target_phase))
+
+
+def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int, batch_tokens, max_len: int,
+         online: bool, target_bytes: int = 0, gpu_name: str = "default", cpu: bool = False) -> dict:
+    """The plan as a dict (the JSON line); batch_tokens: an int, or "auto" for the largest that fits."""
+    act = 4 if cpu else 2
+    P = shape.trainable_params()
+    weights = P * 4 + P * act * (not cpu)  # fp32 master + autocast's bf16 copies
+    optimizer = P * 4 * 2 + P * 4 + (P * 4 if gpus > 1 else 0)  # Adam moments, grads, DDP buckets
+    frozen = shape.vocab * shape.hidden * act  # embedding
+    if online:
+        frozen_what = "whole target (online)"
+        frozen += target_bytes
+    else:
+        frozen_what = "embedding + final norm + lm_head (--states)"
+        frozen += shape.vocab * shape.hidden * act + shape.draft_vocab * shape.hidden * act
+    budget = gpu_gb * 1e9 - RESERVE_GB * 1e9
+    fixed = weights + optimizer + frozen
+    per_token = (step_activation_bytes(shape, 2 * max_len, ttt, act) - step_activation_bytes(shape, max_len, ttt, act)) / max_len
+
+    def fits(tokens):
+        return fixed + step_activation_bytes(shape, tokens, ttt, act) <= budget
+
+    largest = 0
+    if fits(max_len):
+        lo, hi = max_len, max_len
+        while fits(hi * 2) and hi < 2**24:
+            lo, hi = hi * 2, hi * 2
+        hi *= 2
+        while hi - lo > 256:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        largest = lo // 256 * 256 if lo >= 256 else lo
+    chosen = (min(largest, CPU_AUTO_BATCH) if cpu else largest) if batch_tokens == "auto" else int(batch_tokens)
+    tokens = max(chosen, max_len)  # a sample longer than the batch is a batch of its own
+    ok = chosen > 0 and fits(tokens)
+    peak = fixed + step_activation_bytes(shape, tokens, ttt, act)
+    tflops = ASSUMED_TFLOPS.get(gpu_name, ASSUMED_TFLOPS["default"])
+    flops = step_flops_per_token(shape, ttt, max_len)
+    return {
+        "fits": ok, "gpus": gpus, "gpu_gb": gpu_gb, "draft": asdict(shape), "trainable_params": P,
+        "ttt_steps": ttt, "max_len": max_len,
+        "weights_gb": round(weights / 1e9, 2), "optimizer_gb": round(optimizer / 1e9, 2),
+        "frozen_gb": round(frozen / 1e9, 2), "frozen": frozen_what,
+        "activation_bytes_per_token": round(per_token), "reserve_gb": RESERVE_GB,
+        "batch_tokens": chosen, "largest_batch_tokens": largest,
+        "peak_gb": round(peak / 1e9, 2),
+        "assumed_tflops_per_gpu": tflops, "flops_per_token": round(flops),
+        "tokens_per_s": round(gpus * tflops * 1e12 / flops),
+        "reason": None if ok else refusal(largest, chosen, max_len, fixed, budget, target_bytes, online),
+    }
+
+
+def step_flops_per_token(s: DraftShape, ttt: int, seq: int) -> float:
+    """Forward x (1 + 2 backward + 1 recompute) of every TTT step, attention over half the sequence on average."""
+    H, Q, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    matmuls = 2 * (2 * H * (Q + 2 * K) + Q * H + 3 * H * s.intermediate + H * s.draft_vocab)
+    attention = 2 * 2 * Q * seq / 2 * 2  # o0 and the lse surrogate: two causal attentions
+    return 4 * ttt * (matmuls + attention) + 2 * 2 * s.aux * H * H + 2 * H * s.vocab
+
+
+def refusal(largest, chosen, max_len, fixed, budget, target_bytes, online) -> str:
+    if online and fixed > budget:
+        return (f"does not fit: the target ({target_bytes / 1e9:.1f} GB) next to the draft needs {fixed / 1e9:.1f} GB "
+                f"of the {budget / 1e9:.1f} GB usable per GPU: let vLLM compute its states (inv serve --extract, "
+                "inv extract) and train from them with --states")
+    if fixed > budget:
+        return (f"does not fit: weights, optimizer and frozen tensors alone need {fixed / 1e9:.1f} GB of the "
+                f"{budget / 1e9:.1f} GB usable per GPU: use bigger GPUs, or a smaller draft (--draft-intermediate, "
+                "--draft-heads, --draft-kv-heads, --draft-vocab)")
+    if largest < max_len:
+        return (f"does not fit: one {max_len}-token sample needs more than the {(budget - fixed) / 1e9:.1f} GB "
+                "left for activations: lower --max-len or --ttt-steps")
+    return f"--batch-tokens {chosen} does not fit: at most {largest} (or --batch-tokens auto)"
+
+
+def table(p: dict) -> str:
+    d = p["draft"]
+    rows = [
+        ("draft", f"H {d['hidden']}, {d['heads']} heads x {d['head_dim']} ({d['kv_heads']} kv), MLP "
+                  f"{d['intermediate']}, Vd {d['draft_vocab']}: {p['trainable_params'] / 1e9:.2f}B trainable"),
+        ("weights (fp32 + bf16 copy)", f"{p['weights_gb']:.1f} GB"),
+        ("grads + AdamW (+ DDP buckets)", f"{p['optimizer_gb']:.1f} GB"),
+        ("frozen: " + p["frozen"], f"{p['frozen_gb']:.1f} GB"),
+        ("activations per token", f"{p['activation_bytes_per_token'] / 1e6:.3f} MB (TTT {p['ttt_steps']} steps)"),
+        ("batch tokens per GPU", f"{p['batch_tokens']} (largest that fits: {p['largest_batch_tokens']})"),
+        ("peak per GPU", f"{p['peak_gb']:.1f} of {p['gpu_gb']:g} GB ({p['reserve_gb']:g} GB reserved)"),
+        ("tokens/s", f"{p['tokens_per_s']} on {p['gpus']} GPUs at an assumed "
+                     f"{p['assumed_tflops_per_gpu']:g} TFLOP/s each"),
+        ("fits", "yes" if p["fits"] else f"NO: {p['reason']}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def target_weight_bytes(path: str, config: dict, act: int = 2) -> int:
+    """What the online path's target takes on each GPU: its parameters at the run's dtype, counted from
+    config.json (dense layers, MoE experts, embeddings), or its weight files' size if larger. Reads no weights."""
+    H, L, V = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    I = config.get("intermediate_size", 4 * H)
+    experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0
+    dense_layers = min(L, config.get("first_k_dense_replace", 0 if experts else L))
+    moe = (L - dense_layers) * (experts + (config.get("n_shared_experts") or 0)) * 3 * H * (
+        config.get("moe_intermediate_size") or I)
+    params = L * 4 * H * H + dense_layers * 3 * H * I + moe + 2 * V * H
+    files = 0
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = int(json.load(f).get("metadata", {}).get("total_size") or 0)
+    elif os.path.isdir(path):
+        files = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return max(params * act, files)
+
+
+def gpu_name(total_gb: float) -> str:
+    return "H200" if total_gb > 100 else "H100" if total_gb > 60 else "default"
