@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 
 import torch
+import torch.utils.data
 from safetensors import safe_open
 
 import state_shards as shards
@@ -178,20 +179,29 @@ class ShardTargetStates:
             pass
 
     @torch.no_grad()
-    def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sample_index: list[int]) -> TargetBatch:
-        B, T = input_ids.shape
-        L = len(self.plan["layers"])
-        H = self.plan["hidden_size"]
-        got = torch.zeros(B, T, L, H, dtype=self.dtype)
-        for row, s in enumerate(sample_index):
-            shard = self.shard(self.owner[s])
-            n = int(attention_mask[row].sum())
-            if shard.token_ids(s).tolist() != input_ids[row, :n].tolist():
-                raise StatesError(f"sample {s}: the tokens in {shard.path} differ from the batch's")
-            got[row, :n] = shard.states(s).to(self.dtype)
-        got = got.to(self.device)
+    def states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sample_index: list[int],
+               payload: dict | None = None) -> TargetBatch:
+        """payload: the batch as `loader` read it ahead; without one, read here (the training thread)."""
+        if payload is None:
+            lengths = attention_mask.sum(1).tolist()
+            payload = read_batch(self, sample_index, input_ids.shape[1],
+                                 [input_ids[r, : int(n)].tolist() for r, n in enumerate(lengths)])
+        if payload.get("error"):
+            raise StatesError(payload["error"])
+        got = payload["states"]
+        B, T, _, H = got.shape
+        got = got.to(self.device, non_blocking=True).to(self.dtype)
         aux = got[:, :, self.aux_pos].reshape(B, T, len(self.aux_pos) * H)
         return TargetBatch(aux=aux, last=got[:, :, self.last_pos])
+
+    def loader(self, batches: list, samples, workers: int, pin: bool):
+        """Yields (epoch, sample indexes, payload) for `batches` [(epoch, indexes)], read by `workers`
+        processes (0: in this thread) into pinned memory (pin) one batch per worker ahead of the step."""
+        from torch.utils.data import DataLoader
+
+        data = BatchReader(self, batches, samples)
+        return DataLoader(data, batch_size=None, shuffle=False, num_workers=workers, pin_memory=pin,
+                          prefetch_factor=2 if workers else None, persistent_workers=False)
 
     @torch.no_grad()
     def logits(self, last: torch.Tensor) -> torch.Tensor:
@@ -214,6 +224,43 @@ class ShardTargetStates:
                                   f"spool at once: more than its budget {plan['scratch_bytes'] / 1e9:.3g} GB "
                                   f"(lower --epochs, or extract with a smaller --shard-mb)")
         return StreamSchedule(self, lengths, batch_tokens, seed, epochs)
+
+
+def read_batch(source: "ShardTargetStates", sample_index: list[int], width: int, expected_ids) -> dict:
+    """The stored states of a batch, right-padded to [B, width, n_layers, H] in the stored dtype; the
+    token ids in the shards are checked against the batch's. An error comes back as a message (a
+    DataLoader worker's exception would reach the user as a traceback)."""
+    L, H = len(source.plan["layers"]), source.plan["hidden_size"]
+    got = None
+    for row, s in enumerate(sample_index):
+        shard = source.shard(source.owner[s])
+        stored = shard.states(s)
+        if got is None:
+            got = torch.zeros(len(sample_index), width, L, H, dtype=stored.dtype)
+        n = stored.shape[0]
+        if shard.token_ids(s).tolist() != list(expected_ids[row][:n]) or n != len(expected_ids[row]):
+            return {"error": f"sample {s}: the tokens in {shard.path} differ from the batch's"}
+        got[row, :n] = stored
+    if source.stream:  # a streamed shard may be deleted once trained on: hold no handle past the batch
+        for k in list(source._open):
+            source._open.pop(k).close()
+    return {"states": got}
+
+
+class BatchReader(torch.utils.data.Dataset):
+    """Batch n of a fixed schedule, read from the shards (in a DataLoader worker: its own handles)."""
+
+    def __init__(self, source: "ShardTargetStates", batches: list, samples):
+        self.source, self.batches, self.samples = source, batches, samples
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, n):
+        epoch, index = self.batches[n]
+        ids = [self.samples[i].ids.tolist() for i in index]
+        width = max(len(x) for x in ids)
+        return epoch, index, read_batch(self.source, index, width, ids)
 
 
 def cut_batches(index: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:

@@ -93,6 +93,8 @@ def parse_args(argv=None):
     ap.add_argument("--include-truncated", action="store_true", help="train on rows that hit max_tokens too")
     ap.add_argument("--states", help="target states from vLLM's shards in this directory (remote/extract.py --out) "
                                      "instead of running the target; --target then only supplies its head")
+    ap.add_argument("--loader-workers", type=int, help="with --states: processes reading shards ahead "
+                                                        "(default: up to 4 per GPU process, 0 on one CPU)")
     ap.add_argument("--stream", action="store_true", help="with --states: train on shards as extraction writes "
                                                           "them, deleting each after its last use")
     args = ap.parse_args(argv)
@@ -331,6 +333,13 @@ def make_plan(args, use_cuda: bool, device, world: int) -> dict | None:
                            gpu_name=train_plan.gpu_name(gpu_gb), cpu=not (use_cuda or args.plan))
 
 
+def loader_workers(args, world: int) -> int:
+    if args.loader_workers is not None:
+        return max(0, args.loader_workers)
+    per_process = (os.cpu_count() or 1) // max(1, world) - 1
+    return max(0, min(4, per_process))
+
+
 def resolve_batch_tokens(args, memory_plan: dict) -> int:
     """The plan's batch (auto: the largest that fits), kept in OUT/plan.json: a resumed auto run cuts the
     batches the interrupted one cut, whatever GPU it resumes on."""
@@ -479,14 +488,20 @@ def main(argv=None):
         batches = rank_batches(lengths, args.batch_tokens, args.seed, rank, world)
         for _ in range(start_step):
             next(batches)
+    if args.states:  # vLLM's states: read ahead by DataLoader workers into pinned memory while the GPU steps
+        schedule = [next(batches) for _ in range(start_step, total_steps)]
+        batches = iter(target.loader(schedule, samples, loader_workers(args, world), pin=use_cuda))
+    else:
+        batches = ((epoch, index, None) for epoch, index in batches)
     pad_id = renderer.tok.pad_token_id if renderer.tok.pad_token_id is not None else 0
     t0 = last_print = time.monotonic()
     tokens_seen = 0
     for step in range(start_step, total_steps):
         step_t0 = time.monotonic()
-        epoch, index = next(batches)
+        epoch, index, payload = next(batches)
         input_ids, attention, loss_mask = collate(samples, index, pad_id, device)
-        states = target.states(input_ids, attention, index)
+        states = target.states(input_ids, attention, index, payload) if payload else \
+            target.states(input_ids, attention, index)
         target_vd, target_top = target_distribution(target.normed(states.last), target.head_weight, head_vd)
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
