@@ -341,9 +341,9 @@ def loader_workers(args, world: int) -> int:
 
 
 def resolve_batch_tokens(args, memory_plan: dict) -> int:
-    """The plan's batch (auto: the largest that fits), kept in OUT/plan.json: a resumed auto run cuts the
+    """The plan's batch (auto: the largest that fits), kept in OUT/train_plan.json: a resumed auto run cuts the
     batches the interrupted one cut, whatever GPU it resumes on."""
-    path = os.path.join(args.out, "plan.json")
+    path = os.path.join(args.out, "train_plan.json")
     if args.batch_tokens == "auto" and args.resume and os.path.exists(path):
         with open(path) as f:
             return json.load(f)["batch_tokens"]

@@ -419,7 +419,7 @@ def test_draft_shape_flags_reach_the_exported_config(tiny_model, tmp_path):
     assert tensors["midlayer.self_attn.q_proj.weight"].shape == (H, 2 * H)
     assert tensors["midlayer.self_attn.k_proj.weight"].shape == (H // 2, 2 * H)
     assert tensors["midlayer.mlp.down_proj.weight"].shape == (H, 96)
-    assert json.loads((out / "plan.json").read_text())["draft"]["intermediate"] == 96
+    assert json.loads((out / "train_plan.json").read_text())["draft"]["intermediate"] == 96
 
 
 def test_plans_activation_bytes_per_token_agree_with_a_cpu_measurement():
