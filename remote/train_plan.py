@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass
 GIB = 2**30
 BACKWARD_FACTOR = 1.0  # one step's peak while its backward runs / the saved tensors counted below (CPU, fp32)
 RESERVE_GB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation
+# The bf16 activation count is derived from the fp32 one the CPU measures; until bench/gpu_check.sh has
+# measured it on a GPU, a batch must fit with this much headroom on its activations.
+ACTIVATION_MARGIN = 1.15
 ASSUMED_TFLOPS = {"H200": 400.0, "H100": 400.0, "default": 300.0}  # sustained bf16 on this step's matmuls
 CE_CHUNK_BYTES = 256 * 2**20  # as ttt_objective.py
 VOCAB_CHUNK = 16384
@@ -121,7 +124,7 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
     per_token = (step_activation_bytes(shape, 2 * max_len, ttt, act) - step_activation_bytes(shape, max_len, ttt, act)) / max_len
 
     def fits(tokens):
-        return fixed + step_activation_bytes(shape, tokens, ttt, act) <= budget
+        return fixed + ACTIVATION_MARGIN * step_activation_bytes(shape, tokens, ttt, act) <= budget
 
     largest = 0
     if fits(max_len):
@@ -145,6 +148,7 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
         "weights_gb": round(weights / 1e9, 2), "optimizer_gb": round(optimizer / 1e9, 2),
         "frozen_gb": round(frozen / 1e9, 2), "frozen": frozen_what,
         "activation_bytes_per_token": round(per_token), "reserve_gb": RESERVE_GB,
+        "activation_margin": ACTIVATION_MARGIN,
         "batch_tokens": chosen, "largest_batch_tokens": largest,
         "peak_gb": round(peak / 1e9, 2),
         "assumed_tflops_per_gpu": tflops, "flops_per_token": round(flops),
@@ -186,7 +190,8 @@ def table(p: dict) -> str:
         ("frozen: " + p["frozen"], f"{p['frozen_gb']:.1f} GB"),
         ("activations per token", f"{p['activation_bytes_per_token'] / 1e6:.3f} MB (TTT {p['ttt_steps']} steps)"),
         ("batch tokens per GPU", f"{p['batch_tokens']} (largest that fits: {p['largest_batch_tokens']})"),
-        ("peak per GPU", f"{p['peak_gb']:.1f} of {p['gpu_gb']:g} GB ({p['reserve_gb']:g} GB reserved)"),
+        ("peak per GPU", f"{p['peak_gb']:.1f} of {p['gpu_gb']:g} GB ({p['reserve_gb']:g} GB reserved, batch chosen "
+                         f"with {round(100 * (p['activation_margin'] - 1))} % headroom on activations)"),
         ("tokens/s", f"{p['tokens_per_s']} on {p['gpus']} GPUs at an assumed "
                      f"{p['assumed_tflops_per_gpu']:g} TFLOP/s each"),
         ("fits", "yes" if p["fits"] else f"NO: {p['reason']}"),
