@@ -84,10 +84,8 @@ def real_step(args):
     peak = torch.cuda.max_memory_allocated(device)
     shape = train_plan.DraftShape(**{k2: d[k2] for k2 in ("hidden", "intermediate", "heads", "kv_heads",
                                                             "head_dim", "draft_vocab", "vocab")})
-    params = shape.trainable_params()
-    planned = (params * (4 + 2) + params * 4 * 3  # weights + autocast copies, grads + Adam (world 1: no buckets)
-               + 2 * V * H * 2 + Vd * H * 2  # embedding, head, head rows of the draft vocab (bf16)
-               + train_plan.step_activation_bytes(shape, T, k, act=2))
+    planned = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=1e6, ttt=k, batch_tokens=T, max_len=T, online=False,
+                              ddp=True)["peak_gb"] * 1e9
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     row(step="a: NCCL train, Kimi-width draft", ok=True, tokens=T, ttt_steps=k, s_per_step=round(steady, 3),
         tokens_per_s=round(T / steady), max_memory_allocated_gb=round(peak / 1e9, 2),

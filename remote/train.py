@@ -330,7 +330,8 @@ def make_plan(args, use_cuda: bool, device, world: int) -> dict | None:
                            batch_tokens=args.batch_tokens, max_len=args.max_len, online=online,
                            target_bytes=train_plan.target_weight_bytes(args.target, config, 2 if use_cuda or args.plan
                                                                        else 4) if online else 0,
-                           gpu_name=train_plan.gpu_name(gpu_gb), cpu=not (use_cuda or args.plan))
+                           gpu_name=train_plan.gpu_name(gpu_gb), cpu=not (use_cuda or args.plan),
+                           ddp=gpus > 1 or launched_by_torchrun())
 
 
 def loader_workers(args, world: int) -> int:

@@ -106,12 +106,14 @@ def step_activation_bytes(s: DraftShape, tokens: int, ttt: int, act: int = 2, st
 
 
 def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int, batch_tokens, max_len: int,
-         online: bool, target_bytes: int = 0, gpu_name: str = "default", cpu: bool = False) -> dict:
+         online: bool, target_bytes: int = 0, gpu_name: str = "default", cpu: bool = False,
+         ddp: bool | None = None) -> dict:
     """The plan as a dict (the JSON line); batch_tokens: an int, or "auto" for the largest that fits."""
     act = 4 if cpu else 2
     P = shape.trainable_params()
     weights = P * 4 + P * act * (not cpu)  # fp32 master + autocast's bf16 copies
-    optimizer = P * 4 * 2 + P * 4 + (P * 4 if gpus > 1 else 0)  # Adam moments, grads, DDP buckets
+    ddp = gpus > 1 if ddp is None else ddp  # DDP (torchrun, even with one process) keeps its own gradient buckets
+    optimizer = P * 4 * 2 + P * 4 + (P * 4 if ddp else 0)  # Adam moments, grads, DDP buckets
     frozen = shape.vocab * shape.hidden * act  # embedding
     if online:
         frozen_what = "whole target (online)"
