@@ -63,7 +63,7 @@ def num(value):
 
 # ---------------------------------------------------------------- drawing
 
-def figure(ncols=1, width=6.4, height=3.0):
+def figure(ncols=1, width=6.0, height=3.0):
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
 
     fig = Figure(figsize=(width * ncols if ncols > 1 else width, height), dpi=100, layout="constrained")

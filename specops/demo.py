@@ -33,12 +33,21 @@ class Stages:
     def __init__(self, out):
         self.out, self.rows = out, []
 
-    def run(self, name: str, body):
+    def run(self, name: str, body, run_id: str | None = None):
         print(f"\n=== {name} ===", file=self.out, flush=True)
         start = time.monotonic()
         figure = body()
-        self.rows.append({"stage": name, "seconds": round(time.monotonic() - start, 1), "result": figure})
+        self.rows.append({"stage": name, "seconds": round(time.monotonic() - start, 1), "result": figure,
+                          "run": run_id})
         return figure
+
+    def summary(self, dest: str, host: str) -> list[dict]:
+        """The rows, each run's with the path of its pulled report.html."""
+        def report(run_id):
+            path = Path(dest) / run_id / host / "report.html" if run_id else None
+            return str(path) if path and path.is_file() else "-"
+        return [{"stage": r["stage"], "seconds": r["seconds"], "result": r["result"], "report": report(r["run"])}
+                for r in self.rows]
 
 
 def run(host: Host, *, rows: int = 200, train_steps: int = 300, eval_n: int = 30, fresh: bool = False,
@@ -64,16 +73,22 @@ def run(host: Host, *, rows: int = 200, train_steps: int = 300, eval_n: int = 30
         stages.run("tiny model", lambda: _tiny_model(session, out))
     stages.run("serve --wait", lambda: check_ok(service.run(hosts, wait=True, timeout=900), "serve"))
     try:
-        stages.run("generate", lambda: _generate(hosts, rows, fresh, check, out))
-        stages.run("train", lambda: _train(hosts, train_steps, fresh, check, out))
-        stages.run("eval", lambda: _eval(hosts, eval_n, fresh, dest, check, out))
+        stages.run("generate", lambda: _generate(hosts, rows, fresh, check, out), "demo-generate")
+        stages.run("train", lambda: _train(hosts, train_steps, fresh, check, out), "demo-train")
+        stages.run("eval", lambda: _eval(hosts, eval_n, fresh, dest, check, out), "demo-eval")
         stages.run("pull", lambda: _pull(hosts, dest, check, out))
     finally:
         stages.run("stop service", lambda: check_ok(service.run(hosts, stop_service=True), "stop"))
     print("\n=== summary ===", file=out)
-    fanout.print_table(stages.rows, out=out)
+    fanout.print_table(stages.summary(dest, host.name), out=out)
     print(f"total {sum(r['seconds'] for r in stages.rows):.0f} s; artifacts in {Path(dest).resolve()}/"
           f"(demo-generate, demo-train, demo-eval)", file=out, flush=True)
+    reports = [r["report"] for r in stages.summary(dest, host.name) if r["report"] != "-"]
+    if reports:  # the demo ends with its reports: plots of the data, the training and the measurement
+        print("reports (open in a browser; `inv report RUN` prints one's path):", file=out)
+        for path in reports:
+            print(f"  {Path(path).resolve().as_uri()}", file=out)
+        out.flush()
     return 0
 
 

@@ -44,6 +44,9 @@ all:
     al = float(re.search(r"acceptance length ([\d.]+)", summary).group(1))
     assert 1.0 <= al <= 4.0
     assert (dest / "demo-eval" / "localhost" / "report.json").is_file()
+    for run in ("demo-generate", "demo-train", "demo-eval"):  # the demo ends with its reports, named in the summary
+        assert str(dest / run / "localhost" / "report.html") in summary, summary
+        assert (dest / run / "localhost" / "report.html").is_file()
     assert (dest / "demo-generate" / "localhost" / "data.jsonl").stat().st_size > 0
     # the service is stopped at the end, and a re-run reuses the finished runs
     again = inv("demo", "--rows", 30, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
