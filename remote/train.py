@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import acceptance
 from chat_render import ChatRenderer, Sample, data_files, render_records
 from draft_model import DraftConfig, Eagle3Draft, export
 from shard_states import ShardTargetStates, cut_batches
@@ -521,12 +522,16 @@ def main(argv=None):
             dist.all_reduce(totals)  # on the model's device: the group's NCCL side refuses CPU tensors
         totals = totals.cpu()
         k = args.ttt_steps
+        chains = torch.tensor(acceptance.batch_chains(objective, input_ids, k), dtype=torch.float64, device=device)
+        if distributed:
+            dist.all_reduce(chains)
         acc = (totals[1 : 1 + k] / totals[1 + k : 1 + 2 * k].clamp(min=1)).tolist()
         tokens, batch_samples = int(totals[-2]), int(totals[-1])
         tokens_seen += tokens
         metrics = {"step": step + 1, "epoch": epoch, "loss": round(totals[0].item() / world, 5),
                    **{f"acc_{i}": round(a, 4) for i, a in enumerate(acc)},
-                   "sim_al": round(simulated_acceptance(acc), 4),
+                   "sim_al": round(chains[0].item() / max(1.0, chains[1].item()), 4),  # acceptance.py's chains
+                   "sim_al_indep": round(simulated_acceptance(acc), 4),
                    "tokens_per_s": round(tokens / (time.monotonic() - step_t0), 1),
                    "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}
         loss_ids = input_ids[loss_mask.bool()]  # how much of this batch's loss tokens the draft vocabulary covers

@@ -64,6 +64,7 @@ class SoftCrossEntropy:
         self.target_top = target_top.reshape(B * T)
         self.loss_mask, self.vocab_ids, self.in_vocab = loss_mask.bool(), vocab_ids, in_vocab
         self.chunk_rows = chunk_rows or ce_chunk_rows(Vd)
+        self.hit_maps, self.valid_maps = {}, {}  # step i -> [B, T] bool per slot (acceptance.py's chains)
 
     def __call__(self, i: int, hidden: torch.Tensor):
         B, T, H = hidden.shape
@@ -75,17 +76,25 @@ class SoftCrossEntropy:
         keep = self.in_vocab[self.target_top[targets]]
         flat = hidden.reshape(B * T, H)
         ce_sum = hidden.new_zeros((), dtype=torch.float32)
-        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+        hits = []
         for a in range(0, len(rows), self.chunk_rows):
             part = slice(a, a + self.chunk_rows)
             ce, hit = torch.utils.checkpoint.checkpoint(
                 self._chunk, flat, rows[part], targets[part], keep[part], use_reentrant=False)
-            ce_sum, correct = ce_sum + ce, correct + hit
+            ce_sum = ce_sum + ce
+            hits.append(hit)
+        hit_rows = torch.cat(hits) if hits else rows.new_zeros(0, dtype=torch.bool)
+        correct = hit_rows.sum()
+        # Overwritten, not appended: the draft's checkpoint calls this again in backward, same values.
+        self.hit_maps[i] = torch.zeros(B * T, dtype=torch.bool, device=hidden.device).index_fill_(
+            0, rows[hit_rows], True).view(B, T)
+        self.valid_maps[i] = torch.zeros(B * T, dtype=torch.bool, device=hidden.device).index_fill_(
+            0, rows, True).view(B, T)
         return self.decay**i * ce_sum / keep.sum().clamp(min=1), correct, mask.sum()
 
     def _chunk(self, flat, rows, targets, keep):
         log_q = self.draft.lm_head(self.draft.norm(flat[rows])).float().log_softmax(-1)
         p = self.target_vd[targets].float().softmax(-1)
         ce = -(p * log_q).sum(-1)
-        hit = (self.vocab_ids[log_q.argmax(-1)] == self.target_top[targets]).sum()
+        hit = self.vocab_ids[log_q.argmax(-1)] == self.target_top[targets]  # per row: acceptance.py's chains
         return (ce * keep).sum(), hit

@@ -1,0 +1,54 @@
+"""The acceptance length vLLM would measure, predicted from each training anchor's own chain of hits.
+
+vLLM's EAGLE-3 proposer drafts k tokens from one anchor; the target accepts them in order until the
+first miss, plus one bonus token of its own. The old figure, 1 + sum_j prod_{i<=j} acc_i, multiplied
+per-step accuracies as if misses were independent and counted step i on tokens whose context in
+training (the data's token) is not the context serving gives (the draft's own, accepted token).
+Here each anchor (a slot t with all k steps loss-masked) gets its chain:
+
+    hit_i  = the draft's step-i argmax equals the target's argmax (token t+2+i), and, for i >= 1,
+             the token step i is fed (the data's token t+1+i) is the target's argmax there, i.e. what
+             vLLM would have fed after accepting step i-1;
+    length = 1 + sum_j prod_{i<=j} hit_i,
+
+and the prediction is the mean over anchors. Pure torch, no project imports (remote/ rule).
+"""
+import torch
+
+
+def chain_lengths(hits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """hits, valid [k, N] bool (step i's hit and whether step i was scored, per anchor slot).
+
+    Returns the accepted length (bonus included) of each anchor scored at every step, shape [M].
+    """
+    anchors = valid.all(0)
+    run = hits[:, anchors].long().cumprod(0)  # run[j] = 1 while every step up to j hit
+    return 1.0 + run.sum(0).float()
+
+
+def expected_length(lengths: torch.Tensor) -> float:
+    return float(lengths.float().mean()) if lengths.numel() else float("nan")
+
+
+def follows_target(input_ids: torch.Tensor, target_top: torch.Tensor, k: int) -> torch.Tensor:
+    """[k, B, T] bool: at slot t, step i's fed token (data token t+1+i) is the target's argmax at t+i.
+
+    Step 0 is fed the verified token itself, which serving has too: always True.
+    """
+    B, T = input_ids.shape
+    out = torch.zeros(k, B, T, dtype=torch.bool, device=input_ids.device)
+    out[0] = True
+    for i in range(1, k):
+        n = max(T - 1 - i, 0)
+        out[i, :, :n] = input_ids[:, 1 + i : 1 + i + n] == target_top[:, i : i + n]
+    return out
+
+
+def batch_chains(objective, input_ids: torch.Tensor, k: int) -> tuple[float, int]:
+    """(sum of anchors' accepted lengths, number of anchors) for one batch, from the hit maps the
+    objective recorded (objective.hit_maps / valid_maps: [B, T] bool per step)."""
+    hits = torch.stack([objective.hit_maps[i] for i in range(k)])
+    valid = torch.stack([objective.valid_maps[i] for i in range(k)])
+    hits = hits & follows_target(input_ids, objective.target_top.view(input_ids.shape), k)
+    lengths = chain_lengths(hits.flatten(1), valid.flatten(1))
+    return float(lengths.sum()), int(lengths.numel())
