@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -246,3 +247,35 @@ def test_shipping_replaces_the_file_whole_over_rsync_or_sftp(tmp_path, ssh_host,
         transfer.push_file(s, str(local), target)
     assert open(target, "rb").read() == b'{"id": "b"}\n'  # a loopback host shares this filesystem
     assert sorted(os.listdir(os.path.dirname(target))) == ["merged.jsonl"]
+
+
+VLLM_ON_HOST = ("VLLM_CPU_KVCACHE_SPACE=1\nVLLM_ENABLE_V1_MULTIPROCESSING=0\nVLLM_HOST_IP=127.0.0.1\n"
+                "VLLM_CACHE_ROOT={w}/cache\nTORCHINDUCTOR_CACHE_DIR={w}/inductor\nTMPDIR={w}/tmp\nOMP_NUM_THREADS=1\n")
+
+
+def test_the_group_draft_accepts_like_a_single_host_one(served, tmp_path, tiny_model, trained_run, heldout_prompts):
+    """The tiny recipe over the group (300 generated rows, 300 steps on 2 nodes), measured by `inv eval` in
+    real vLLM, against the single-host draft of the same recipe (test fixtures) measured the same way."""
+    from tests.fixtures_train import TINY_RECIPE, evaluate
+    (node1, node2, _), _ = served
+    path = write_inventory(tmp_path / "inventory.yaml", {"pair": [node1, node2]}, group_vars={"pair": {
+        "model": "models/tiny", "served_model_name": "tiny", "port": PORT, "max_model_len": 512}})
+    gen, train = f"gen-{uuid.uuid4().hex[:6]}", f"train-{uuid.uuid4().hex[:6]}"
+    proc = inv("generate", "--on", "pair", *GEN, "--name", gen, "--follow", "--", "--max-tokens", "300",
+               "--concurrency", "16", inventory=path, timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = inv("train", "--on", "pair", "--data", gen, "--name", train, "--dest", tmp_path / "artifacts", "--follow",
+               "--", *TINY_RECIPE, "--max-len", "512", inventory=path, timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    w = node1.workdir
+    sh(node1, f"mkdir -p {w}/cache {w}/inductor {w}/tmp && cat > {w}/service/vllm.env",
+       input=VLLM_ON_HOST.format(w=w).encode())
+    sh(node1, f"cat > {w}/heldout.jsonl", input=Path(heldout_prompts).read_bytes())
+    proc = inv("eval", "--on", "node1", "--draft", train, "--prompts", f"{w}/heldout.jsonl", "--n", "30",
+               "--dest", tmp_path / "artifacts", "--", "--no-baseline", inventory=path, timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    group_al = json.loads(next((tmp_path / "artifacts").glob("eval-*/node1/report.json")).read_text())
+    single_al = evaluate(tiny_model, trained_run / "draft", heldout_prompts, tmp_path / "single.json", "--no-baseline")
+    print(f"AL group {group_al['acceptance_length']} single {single_al['acceptance_length']}")
+    assert group_al["acceptance_length"] > 2.0  # a random draft: ~1.0
+    assert abs(group_al["acceptance_length"] - single_al["acceptance_length"]) < 0.5
