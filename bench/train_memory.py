@@ -3,7 +3,7 @@
 
     python bench/train_memory.py [--ttt-steps 7] [--tokens 1024] [--scales 64,32]
 
-What a GPU would show, measured on the CPU: each figure is the peak RSS of a fresh
+What a GPU would show, measured on the CPU: each figure is the peak memory (VmPeak) of a fresh
 process running one step (forward, loss, backward) at T tokens and at 2T tokens, the
 difference over T: weights, optimizer and the interpreter cancel, what is left is what
 the step keeps per token. Shapes are Kimi-K2's draft (H 7168, I 18432, 64 heads of 112,
@@ -14,7 +14,7 @@ The plain step's dense [T, k*T] mask adds bytes per token that grow with T, on t
 """
 import argparse
 import json
-import resource
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +29,7 @@ from train_plan import DraftShape, step_activation_bytes  # noqa: E402
 from ttt_objective import SoftCrossEntropy, target_distribution  # noqa: E402
 
 # glibc keeps freed heap memory, and after one big free serves blocks up to 32 MB from the heap:
-# a fixed mmap threshold hands every tensor's memory back when it is freed, so peak RSS is peak use
+# a fixed mmap threshold hands every tensor's memory back when it is freed, so the peak is peak use
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 CHUNK_ROWS = 128  # loss rows per chunk at reduced widths (2097 at Kimi's Vd 32000)
 KIMI = {"hidden": 7168, "intermediate": 18432, "heads": 64, "kv_heads": 8, "head_dim": 112, "draft_vocab": 32000,
@@ -45,7 +45,7 @@ def scaled(scale: int) -> dict:
 
 
 def one_step(shape: dict, tokens: int, ttt: int, impl: str) -> None:
-    """Build, run one training step, print the peak RSS (bytes) as JSON: the child process's job."""
+    """Build, run one training step, print the peak memory (bytes) as JSON: the child process's job."""
     torch.manual_seed(0)
     H, V, Vd = shape["hidden"], shape["vocab"], shape["draft_vocab"]
     c = DraftConfig(hidden_size=H, intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
@@ -70,19 +70,23 @@ def one_step(shape: dict, tokens: int, ttt: int, impl: str) -> None:
                                      chunk_rows=CHUNK_ROWS)
         loss = sum(r[0] for r in draft(input_ids, aux, ttt, objective))
     loss.backward()
-    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    # the peak of the address space, not of RSS: under memory pressure the kernel drops the interpreter's
+    # file-backed pages, and a peak RSS taken while importing torch can then hide the step's (seen in CI);
+    # with the mmap threshold above, every tensor is its own mapping, so the peak size is the peak use
+    status = Path("/proc/self/status").read_text()
+    print(json.dumps({"peak": int(re.search(r"VmPeak:\s+(\d+) kB", status).group(1)) * 1024}))
 
 
-def peak_rss(shape: dict, tokens: int, ttt: int, impl: str) -> int:
+def peak_bytes(shape: dict, tokens: int, ttt: int, impl: str) -> int:
     cmd = [sys.executable, __file__, "--one", json.dumps({"shape": shape, "tokens": tokens, "ttt": ttt, "impl": impl})]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **MALLOC})
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss"]
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
 def measured_bytes_per_token(shape: dict, tokens: int, ttt: int, impl: str) -> float:
-    """(peak RSS at 2T - peak RSS at T) / T."""
-    return (peak_rss(shape, 2 * tokens, ttt, impl) - peak_rss(shape, tokens, ttt, impl)) / tokens
+    """(peak memory at 2T - peak memory at T) / T."""
+    return (peak_bytes(shape, 2 * tokens, ttt, impl) - peak_bytes(shape, tokens, ttt, impl)) / tokens
 
 
 def planned_bytes_per_token(shape: dict, tokens: int, ttt: int, act_bytes: int = 4, reduced: bool = True) -> float:

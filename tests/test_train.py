@@ -423,7 +423,7 @@ def test_draft_shape_flags_reach_the_exported_config(tiny_model, tmp_path):
 
 
 def test_plans_activation_bytes_per_token_agree_with_a_cpu_measurement():
-    """Peak RSS of one real step at T and 2T tokens, at a reduced width (Kimi's draft / 32, 3 TTT steps: not
+    """Peak memory of one real step at T and 2T tokens, at a reduced width (Kimi's draft / 32, 3 TTT steps: not
     the shapes the plan's constant was measured at), against the plan's bytes per token: within 25 %."""
     sys.path.insert(0, str(ROOT / "bench"))
     import train_memory
