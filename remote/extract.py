@@ -49,20 +49,13 @@ import state_shards as shards
 from chat_render import ChatRenderer, data_files
 from target_states import check_aux_layer_ids, default_aux_layer_ids
 import report
+from script import Refused, main_of, progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRESS_EVERY_S = 5.0
 # vLLM's DeepSeek-V2/V3 family (Kimi-K2 included) has no residual stream before layer 0:
 # asking for id 0 kills the engine on its first request.
 NO_LAYER_ZERO = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"}
-
-
-class Refused(Exception):
-    """Bad input or state: one line on stderr, exit 2."""
-
-
-def progress(**fields):
-    print("specops-progress " + json.dumps(fields, separators=(",", ":")), flush=True)
 
 
 def parse_args(argv=None):
@@ -510,8 +503,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Refused as e:
-        print(f"extract.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    main_of(main, "extract.py")

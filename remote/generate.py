@@ -46,6 +46,7 @@ from datasets_io import (DatasetError, RowError, UnreadableRow, open_rows, promp
 from endpoints import EndpointPool, Failure, backoff_s, classify
 import report
 from run_files import RunDirError, RunFiles
+from script import progress
 
 PROGRESS_EVERY_S = 5.0
 ROW_RETRY_BASE_S, ROW_RETRY_CAP_S = 1.0, 60.0
@@ -220,10 +221,6 @@ class Stats:
             "endpoints": {e.url: {"requests": e.requests, "failed": e.failed}
                           for e in pool.endpoints},
         }
-
-
-def progress_line(fields):
-    print("specops-progress " + json.dumps(fields, separators=(",", ":")), flush=True)
 
 
 class Generator:
@@ -416,7 +413,7 @@ async def run(args, files, rows, total):
                 stop_because("gave up")
             if time.monotonic() >= next_progress:
                 next_progress += PROGRESS_EVERY_S
-                progress_line(stats.progress(pool.in_flight))
+                progress(**stats.progress(pool.in_flight))
                 files.write_stats(stats.summary(pool, "running"))
                 report.refresh(args.out, "generate")
 
@@ -481,7 +478,7 @@ async def run(args, files, rows, total):
     finally:
         monitor_task.cancel()
         await pool.close()
-    progress_line(stats.progress(0))
+    progress(**stats.progress(0))
     files.write_stats(stats.summary(pool, outcome["why"] or "completed"))
     report.finish(args.out, "generate")
     return EXIT_CODES[outcome["why"]]

@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 import state_shards as shards
 from chat_render import load_pretrained
+from script import progress
 from target_states import TargetBatch
 
 OPEN_SHARDS = 64  # memory-mapped shard handles kept open
@@ -109,8 +110,7 @@ def wait_for(path: str, timeout: float, what: str) -> None:
             raise StatesError(f"no {what} ({path}) after {timeout:g}s: is the extraction running?")
         if now - last > PROGRESS_EVERY_S:
             last = now
-            print("specops-progress " + json.dumps({"stage": "waiting for states", "for": what,
-                                                    "waited_s": round(now - start)}), flush=True)
+            progress(stage="waiting for states", waited_s=round(now - start), **{"for": what})
         time.sleep(0.2)
 
 

@@ -35,18 +35,9 @@ import train_plan
 from target_states import OnlineTargetStates, TargetStates
 from ttt_objective import SoftCrossEntropy, target_distribution
 import report
+from script import Refused, main_of, progress
 
 PROGRESS_EVERY_S = 5.0
-
-
-class Refused(Exception):
-    """Bad input or state: one line on stderr, exit 2."""
-
-
-def progress(**fields):
-    if int(os.environ.get("RANK", 0)) != 0:
-        return
-    print("specops-progress " + json.dumps(fields, separators=(",", ":")), flush=True)
 
 
 def launched_by_torchrun() -> bool:
@@ -571,8 +562,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Refused as e:
-        print(f"train.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    main_of(main, "train.py")

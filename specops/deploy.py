@@ -22,15 +22,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import deps, fanout
-from .errors import HostError
-from .host import Session, local_rsync_available, quote
+from . import deps, fanout, transfer
+from .host import Session
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEPLOY_SET = ("remote", "templates", "requirements", "examples")
 NEVER = (".git/", ".venv/", "venv/", "__pycache__/", "*.pyc", ".cache/", ".pytest_cache/", "data/", "runs/",
          "artifacts/", "checkpoints/", "*.safetensors", "*.bin", "*.pt", "*.ckpt", "*.arrow", "*.parquet")
-RSYNC_IO_TIMEOUT = 30
 
 
 @dataclass
@@ -53,46 +51,15 @@ def deploy(session: Session, *, root: Path = PROJECT_ROOT, delete: bool = True, 
     carries VERSION), so a no-op deploy costs about what a raw no-op rsync costs.
     """
     start = time.monotonic()
-    dest = f"{session.workdir}/code"
     with tempfile.TemporaryDirectory(prefix="specops-version-") as tmp:
         version = _version_file(root, Path(tmp))
-        result = None
-        if local_rsync_available():
-            try:
-                result = _rsync(session, root, version, dest, delete=delete, dry_run=dry_run)
-            except _NoRemoteRsync:
-                pass
-        if result is None:
-            result = _sftp(session, root, version, dest, delete=delete, dry_run=dry_run)
-    result.seconds = time.monotonic() - start
-    return result
-
-
-class _NoRemoteRsync(Exception):
-    pass
-
-
-def _rsync(session: Session, root: Path, version: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
-    extra, target = session.rsync_location(dest + "/")
-    argv = ["rsync", "-rlpt", "--mkpath", "--compress", "--itemize-changes", "--stats", f"--timeout={RSYNC_IO_TIMEOUT}",
-            *[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore", "--include=/VERSION",
-            *[f"--include=/{d}/***" for d in DEPLOY_SET], "--exclude=*", *extra]
-    if delete:
-        argv += ["--delete", "--delete-excluded"]
-    if dry_run:
-        argv.append("--dry-run")
-    argv += [f"{root}/", str(version), target]
-    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        if proc.returncode == 127 or "rsync: command not found" in proc.stderr or "rsync: not found" in proc.stderr:
-            raise _NoRemoteRsync()
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise HostError(f"{session.host.name}: rsync failed (exit {proc.returncode}): {last} — "
-                        f"nothing is lost; rerun `inv deploy` to converge")
-    changes = [line for line in proc.stdout.splitlines() if re.match(r"^(\*deleting|[<>ch.]f)", line)
-               and not line.startswith(".f ")]
-    sent = re.search(r"Total bytes sent: ([\d,.]+)", proc.stdout)
-    return SyncResult(len(changes), int(re.sub(r"[,.]", "", sent.group(1))) if sent else 0, 0.0, "rsync", changes)
+        filters = [*[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore", "--include=/VERSION",
+                   *[f"--include=/{d}/***" for d in DEPLOY_SET], "--exclude=*"]
+        pushed = transfer.push_tree(session, f"{session.workdir}/code", [f"{root}/", str(version)], filters,
+                                    lambda: {**deployable_files(root), "VERSION": version},
+                                    delete=delete, dry_run=dry_run, rerun="rerun `inv deploy`")
+    return SyncResult(len(pushed.changes), pushed.bytes_sent, time.monotonic() - start, pushed.method,
+                      pushed.changes)
 
 
 def _version_file(root: Path, tmp: Path) -> Path:
@@ -127,46 +94,6 @@ def _never(name: str) -> bool:
         if pattern.startswith("*.") and name.endswith(pattern[1:]):
             return True
     return False
-
-
-def _sftp(session: Session, root: Path, version: Path, dest: str, *, delete: bool, dry_run: bool) -> SyncResult:
-    """The fallback: compare size+mtime with one remote `find`, upload the differences."""
-    local = {**deployable_files(root), "VERSION": version}
-    listing = session.sh(f"cd {quote(dest)} 2>/dev/null && find . -type f -printf '%P\\t%s\\t%T@\\n' || true",
-                         timeout=60).stdout
-    remote = {}
-    for line in listing.split("\n"):
-        fields = line.split("\t")
-        if len(fields) == 3 and fields[1].isdigit() and re.fullmatch(r"\d+(\.\d*)?", fields[2]):
-            remote[fields[0]] = (int(fields[1]), int(float(fields[2])))
-        # else: a name holding a tab or a newline, which deploy never sends: not ours, left alone
-    stats = {}
-    for n, p in local.items():
-        try:
-            stats[n] = p.stat()
-        except FileNotFoundError:  # deleted here since the listing (an editor's temporary): not sent
-            pass
-    local = {n: p for n, p in local.items() if n in stats}
-    send = [n for n in local if remote.get(n) != (stats[n].st_size, int(stats[n].st_mtime))]
-    stale = [n for n in remote if n not in local] if delete else []
-    changes = [f">f {n}" for n in send] + [f"*deleting {n}" for n in stale]
-    sent = sum(stats[n].st_size for n in send)
-    if not dry_run:
-        sftp = session.sftp()
-        session.run(["mkdir", "-p", dest, *sorted({os.path.dirname(f"{dest}/{n}") for n in send})], timeout=60)
-        for n in send:
-            target = f"{dest}/{n}"
-            try:
-                sftp.put(str(local[n]), target)
-                st = local[n].stat()
-                sftp.utime(target, (st.st_atime, st.st_mtime))
-                sftp.chmod(target, st.st_mode & 0o777)
-            except OSError as e:
-                raise HostError(f"{session.host.name}: SFTP upload of {n} failed: {e} — rerun `inv deploy` "
-                                f"to converge") from None
-        if stale:
-            session.run(["rm", "-f", "--", *[f"{dest}/{n}" for n in stale]], timeout=60)
-    return SyncResult(len(changes), sent, 0.0, "sftp (rsync missing)", changes)
 
 
 def run(hosts, *, dry_run: bool = False, delete: bool = True, check_deps: bool = True) -> int:

@@ -1,4 +1,7 @@
-"""Moving directories between here and a host: rsync with the host's exact SSH settings, SFTP fallback.
+"""Moving files between here and a host: rsync with the host's exact SSH settings, SFTP fallback.
+
+The one module that moves files: :func:`push_tree` (deploy's code tree), :func:`push_file`
+(one file, e.g. a group's merged data), :func:`pull_dir` (a run coming home).
 
 rsync is preferred (delta transfer, ``--partial`` so an interrupted copy resumes where it
 stopped). When rsync is missing here or on the host, files travel over the session's SFTP
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import HostError
-from .host import Session, local_rsync_available
+from .host import Session, local_rsync_available, quote
 
 RSYNC_IO_TIMEOUT = 60  # seconds without progress before rsync gives up (a cut link)
 RSYNC_VANISHED = 24  # rsync's exit code when source files vanished during the copy
@@ -204,3 +208,91 @@ def push_file(session: Session, local_path: str, remote_path: str) -> str:
     except OSError as e:
         raise HostError(f"{session.host.name}: cannot write {remote_path} over SFTP: {e}") from None
     return "sftp (rsync missing)"
+
+
+@dataclass
+class Pushed:
+    method: str  # "rsync" or "sftp (rsync missing)"
+    changes: list[str]  # rsync's itemized lines: ">f NAME" sent, "*deleting NAME" removed
+    bytes_sent: int
+
+
+class _NoRemoteRsync(Exception):
+    pass
+
+
+def push_tree(session: Session, dest: str, rsync_sources: list[str], rsync_filters: list[str], files, *,
+              delete: bool, dry_run: bool, rerun: str = "rerun") -> Pushed:
+    """Make ``dest`` on the host hold a local tree; HostError if it fails (a rerun converges).
+
+    rsync sends ``rsync_sources`` through ``rsync_filters`` (one process, nothing else: a no-op
+    costs what a raw rsync costs). Without rsync here or on the host, ``files()`` (relative
+    name -> local path, the same set) goes over SFTP: sizes and mtimes compared with one
+    remote ``find``, the differences uploaded. ``delete`` removes what the tree no longer has.
+    """
+    if local_rsync_available():
+        try:
+            return _rsync_push(session, dest, rsync_sources, rsync_filters, delete=delete, dry_run=dry_run,
+                               rerun=rerun)
+        except _NoRemoteRsync:
+            pass
+    return _sftp_push(session, dest, files(), delete=delete, dry_run=dry_run, rerun=rerun)
+
+
+def _rsync_push(session: Session, dest: str, sources: list[str], filters: list[str], *, delete: bool,
+                dry_run: bool, rerun: str) -> Pushed:
+    extra, target = session.rsync_location(dest + "/")
+    argv = ["rsync", "-rlpt", "--mkpath", "--compress", "--itemize-changes", "--stats",
+            f"--timeout={RSYNC_IO_TIMEOUT}", *filters, *extra]
+    if delete:
+        argv += ["--delete", "--delete-excluded"]
+    if dry_run:
+        argv.append("--dry-run")
+    proc = subprocess.run([*argv, *sources, target], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        if proc.returncode == 127 or "rsync: command not found" in proc.stderr or "rsync: not found" in proc.stderr:
+            raise _NoRemoteRsync()
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise HostError(f"{session.host.name}: rsync to {dest} failed (exit {proc.returncode}): {last} — "
+                        f"nothing is lost; {rerun} to converge")
+    changes = [line for line in proc.stdout.splitlines() if re.match(r"^(\*deleting|[<>ch.]f)", line)
+               and not line.startswith(".f ")]
+    sent = re.search(r"Total bytes sent: ([\d,.]+)", proc.stdout)
+    return Pushed("rsync", changes, int(re.sub(r"[,.]", "", sent.group(1))) if sent else 0)
+
+
+def _sftp_push(session: Session, dest: str, local: dict, *, delete: bool, dry_run: bool,
+               rerun: str = "rerun") -> Pushed:
+    listing = session.sh(f"cd {quote(dest)} 2>/dev/null && find . -type f -printf '%P\\t%s\\t%T@\\n' || true",
+                         timeout=60).stdout
+    remote = {}
+    for line in listing.split("\n"):
+        fields = line.split("\t")
+        if len(fields) == 3 and fields[1].isdigit() and re.fullmatch(r"\d+(\.\d*)?", fields[2]):
+            remote[fields[0]] = (int(fields[1]), int(float(fields[2])))
+        # else: a name holding a tab or a newline, which a pushed tree never has: not ours, left alone
+    stats = {}
+    for n, p in local.items():
+        try:
+            stats[n] = os.stat(p)
+        except FileNotFoundError:  # deleted here since the listing (an editor's temporary): not sent
+            pass
+    local = {n: p for n, p in local.items() if n in stats}
+    send = [n for n in local if remote.get(n) != (stats[n].st_size, int(stats[n].st_mtime))]
+    stale = [n for n in remote if n not in local] if delete else []
+    changes = [f">f {n}" for n in send] + [f"*deleting {n}" for n in stale]
+    if not dry_run:
+        sftp = session.sftp()
+        session.run(["mkdir", "-p", dest, *sorted({os.path.dirname(f"{dest}/{n}") for n in send})], timeout=60)
+        for n in send:
+            target = f"{dest}/{n}"
+            try:
+                sftp.put(str(local[n]), target)
+                st = os.stat(local[n])
+                sftp.utime(target, (st.st_atime, st.st_mtime))
+                sftp.chmod(target, st.st_mode & 0o777)
+            except OSError as e:
+                raise HostError(f"{session.host.name}: SFTP upload of {n} failed: {e} — {rerun} to converge") from None
+        if stale:
+            session.run(["rm", "-f", "--", *[f"{dest}/{n}" for n in stale]], timeout=60)
+    return Pushed("sftp (rsync missing)", changes, sum(stats[n].st_size for n in send))

@@ -217,7 +217,8 @@ def test_deploy_over_sftp_leaves_a_name_with_a_newline_alone(tmp_path, ssh_host)
     (h,) = inventory.load(bed(tmp_path, ssh_host)).select("bed")
     with connect(h) as session:
         version = deploy._version_file(deploy.PROJECT_ROOT, tmp_path)
-        result = deploy._sftp(session, deploy.PROJECT_ROOT, version, str(code), delete=True, dry_run=False)
+        files = {**deploy.deployable_files(deploy.PROJECT_ROOT), "VERSION": version}
+        result = transfer._sftp_push(session, str(code), files, delete=True, dry_run=False)
     assert result.method.startswith("sftp") and (code / "remote" / "check_deps.py").is_file()
     assert (code / "odd\nname\t1\t2").read_text() == "not ours"
 
