@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "remote"))
 import state_shards  # noqa: E402
 from chat_render import Sample  # noqa: E402
 from draft_model import DraftConfig, Eagle3Draft  # noqa: E402
-from shard_states import ShardTargetStates, cut_batches  # noqa: E402
+from batching import cut_batches  # noqa: E402
+from shard_states import ShardTargetStates  # noqa: E402
 from ttt_objective import SoftCrossEntropy  # noqa: E402
 
 

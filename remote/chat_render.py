@@ -18,9 +18,11 @@ Standalone on purpose (transformers, and its sibling conversations.py).
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from conversations import conversation
+from script import PROGRESS_EVERY_S, progress
 
 REMOTE_CODE_HINT = "pass --trust-remote-code (with inv: add --trust-remote-code to the host's vllm_args)"
 
@@ -192,6 +194,24 @@ def render_records(renderer: ChatRenderer, paths: list[str], max_len: int, inclu
         for sample in renderer.render(messages, max_len, ended, template_kwargs(record)):
             if sum(sample.mask[2:]) > 0:  # the draft predicts token t+2 onwards
                 yield sample
+
+
+def load_samples(renderer: ChatRenderer, paths: list[str], max_len: int, include_truncated: bool):
+    """Every trainable sample as (ids int32, mask bool) tensors (~5 bytes a token); returns (samples, stats).
+    The trainer's samples, and the extractor's: both cut exactly the same tokens."""
+    import torch
+
+    samples, stats = [], {}
+    last = time.monotonic()
+    for sample in render_records(renderer, paths, max_len, include_truncated, stats):
+        samples.append(Sample(torch.tensor(sample.ids, dtype=torch.int32), torch.tensor(sample.mask, dtype=torch.bool)))
+        if time.monotonic() - last > PROGRESS_EVERY_S:
+            last = time.monotonic()
+            progress(stage="render", rows=stats["rows"], samples=len(samples))
+    stats["samples"] = len(samples)
+    stats["tokens"] = sum(len(s.ids) for s in samples)
+    stats["loss_tokens"] = sum(int(s.mask.sum()) for s in samples)
+    return samples, stats
 
 
 def data_files(paths: list[str]) -> list[str]:

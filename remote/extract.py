@@ -46,13 +46,12 @@ import urllib.request
 import torch
 
 import state_shards as shards
-from chat_render import ChatRenderer, data_files
+from chat_render import ChatRenderer, data_files, load_samples
 from target_states import check_aux_layer_ids, default_aux_layer_ids
 import report
-from script import Refused, main_of, progress
+from script import PROGRESS_EVERY_S, Refused, main_of, progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROGRESS_EVERY_S = 5.0
 # vLLM's DeepSeek-V2/V3 family (Kimi-K2 included) has no residual stream before layer 0:
 # asking for id 0 kills the engine on its first request.
 NO_LAYER_ZERO = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"}
@@ -348,8 +347,6 @@ def wait_for_space(out_dir: str, need: int, budget: int, k: int) -> None:
 
 def render_samples(target: str, args):
     """The trainer's samples, by the trainer's own code: extraction and training cut the same tokens."""
-    from train import load_samples
-
     try:
         renderer = ChatRenderer.from_pretrained(target, args.trust_remote_code)
         samples, stats = load_samples(renderer, args.data, args.max_len, args.include_truncated)

@@ -46,9 +46,8 @@ from datasets_io import (DatasetError, RowError, UnreadableRow, open_rows, promp
 from endpoints import EndpointPool, Failure, backoff_s, classify
 import report
 from run_files import RunDirError, RunFiles
-from script import progress
+from script import PROGRESS_EVERY_S, progress
 
-PROGRESS_EVERY_S = 5.0
 ROW_RETRY_BASE_S, ROW_RETRY_CAP_S = 1.0, 60.0
 READ_BATCH = 256  # rows per hop to the reader thread; the first batch decides the shape
 START_RAMP_S = 1.0

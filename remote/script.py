@@ -9,6 +9,7 @@ import os
 import sys
 
 PROGRESS_PREFIX = "specops-progress "
+PROGRESS_EVERY_S = 5.0  # seconds between progress lines while a script works
 
 
 class Refused(Exception):

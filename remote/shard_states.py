@@ -28,6 +28,7 @@ import torch.utils.data
 from safetensors import safe_open
 
 import state_shards as shards
+from batching import cut_batches, shuffled
 from chat_render import load_pretrained
 from script import progress
 from target_states import TargetBatch
@@ -263,18 +264,6 @@ class BatchReader(torch.utils.data.Dataset):
         return epoch, index, read_batch(self.source, index, width, ids)
 
 
-def cut_batches(index: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Consecutive samples into batches of <= batch_tokens padded tokens (as the trainer cuts an epoch)."""
-    batches, batch, width = [], [], 0
-    for i in index:
-        if batch and max(width, lengths[i]) * (len(batch) + 1) > batch_tokens:
-            batches.append(batch)
-            batch, width = [], 0
-        batch.append(i)
-        width = max(width, lengths[i])
-    return batches + [batch] if batch else batches
-
-
 class StreamSchedule:
     """Training order over a spool that never holds more than `epochs` shards for the trainer.
 
@@ -295,8 +284,7 @@ class StreamSchedule:
             window = range(max(0, r - E + 1), min(r, S - 1) + 1)
             index = [i for k in window for i in range(plan_shards[k]["first"],
                                                         plan_shards[k]["first"] + plan_shards[k]["count"])]
-            order = torch.randperm(len(index), generator=torch.Generator().manual_seed(seed * 100_003 + r)).tolist()
-            self.steps += cut_batches([index[j] for j in order], lengths, batch_tokens)
+            self.steps += cut_batches([index[j] for j in shuffled(len(index), seed, r)], lengths, batch_tokens)
             if r - E + 1 >= 0:
                 self.last_step[r - E + 1] = len(self.steps)
         self.total_steps = len(self.steps)

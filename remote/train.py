@@ -28,16 +28,16 @@ import torch
 import torch.distributed as dist
 
 import acceptance
-from chat_render import ChatRenderer, Sample, data_files, render_records
+from chat_render import ChatRenderer, data_files, load_samples
 from draft_model import DraftConfig, Eagle3Draft, export
-from shard_states import ShardTargetStates, cut_batches
+from batching import rank_batches, steps_in_epochs
+from shard_states import ShardTargetStates
 import train_plan
 from target_states import OnlineTargetStates, TargetStates
 from ttt_objective import SoftCrossEntropy, target_distribution
 import report
-from script import Refused, main_of, progress
+from script import PROGRESS_EVERY_S, Refused, main_of, progress
 
-PROGRESS_EVERY_S = 5.0
 
 
 def launched_by_torchrun() -> bool:
@@ -121,21 +121,6 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- data
 
 
-def load_samples(renderer: ChatRenderer, paths: list[str], max_len: int, include_truncated: bool):
-    """Every trainable sample as (ids int32, mask bool) tensors (~5 bytes a token); returns (samples, stats)."""
-    samples, stats = [], {}
-    last = time.monotonic()
-    for sample in render_records(renderer, paths, max_len, include_truncated, stats):
-        samples.append(Sample(torch.tensor(sample.ids, dtype=torch.int32), torch.tensor(sample.mask, dtype=torch.bool)))
-        if time.monotonic() - last > PROGRESS_EVERY_S:
-            last = time.monotonic()
-            progress(stage="render", rows=stats["rows"], samples=len(samples))
-    stats["samples"] = len(samples)
-    stats["tokens"] = sum(len(s.ids) for s in samples)
-    stats["loss_tokens"] = sum(int(s.mask.sum()) for s in samples)
-    return samples, stats
-
-
 def draft_vocab(samples, vocab_size: int, size: int) -> torch.Tensor:
     """The `size` target ids seen most often on loss-masked tokens (ties: lower id), ascending."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -144,50 +129,6 @@ def draft_vocab(samples, vocab_size: int, size: int) -> torch.Tensor:
         counts.index_add_(0, ids, torch.ones_like(ids))
     order = sorted(range(vocab_size), key=lambda i: (-counts[i].item(), i))
     return torch.tensor(sorted(order[:size]), dtype=torch.long)
-
-
-def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """Sample indices per batch for one epoch: a seeded shuffle cut into batches of <= batch_tokens padded tokens."""
-    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-    return cut_batches(order, lengths, batch_tokens)
-
-
-def world_batches(batches: list[list[int]], world: int) -> list[list[int]]:
-    """The epoch's batches made a multiple of the world size, so the ranks, stepping in lockstep,
-    use every one (every sample once per epoch): the batch with the most samples is halved until
-    the count divides. Only when every batch is a single sample can a remainder be left over."""
-    batches = [list(b) for b in batches]
-    while len(batches) % world:
-        largest = max(range(len(batches)), key=lambda j: (len(batches[j]), -j))
-        if len(batches[largest]) < 2:
-            break
-        b = batches[largest]
-        batches[largest:largest + 1] = [b[:len(b) // 2], b[len(b) // 2:]]
-    return batches
-
-
-def rank_batches(lengths, batch_tokens, seed, rank, world):
-    """This rank's (epoch, batch) sequence, epoch after epoch: a pure function of its arguments,
-    so a resumed run sees exactly the batches the interrupted one would have."""
-    epoch = 0
-    while True:
-        batches = world_batches(epoch_batches(lengths, batch_tokens, seed, epoch), world)
-        per_rank = len(batches) // world  # ranks step in lockstep (world_batches leaves no remainder but singles')
-        for batch in batches[rank::world][:per_rank]:
-            yield epoch, batch
-        epoch += 1
-
-
-def steps_in_epochs(lengths, batch_tokens, seed, world, epochs: float) -> int:
-    def per_rank(epoch):
-        return len(world_batches(epoch_batches(lengths, batch_tokens, seed, epoch), world)) // world
-
-    steps, whole = 0, int(epochs)
-    for epoch in range(whole):
-        steps += per_rank(epoch)
-    if epochs > whole:
-        steps += int((epochs - whole) * per_rank(whole))
-    return steps
 
 
 def collate(samples, index: list[int], pad_id: int, device):

@@ -29,7 +29,7 @@ import state_shards  # noqa: E402
 from chat_render import ChatRenderer  # noqa: E402
 from shard_states import TargetHead  # noqa: E402
 from target_states import OnlineTargetStates  # noqa: E402
-from train import load_samples  # noqa: E402
+from chat_render import load_samples  # noqa: E402
 
 QWEN_VLLM = json.dumps({"dtype": "float32", "enforce_eager": True, "max_model_len": 512})
 

@@ -127,12 +127,12 @@ def test_a_group_trains_on_the_shipped_merged_data():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_sample_once_per_epoch_at_any_world_size(world):
-    import train
+    import batching
     rng = random.Random(world)
     for trial in range(20):
         lengths = [rng.randint(10, 400) for _ in range(rng.randint(world * 2, 40))]
-        steps = train.steps_in_epochs(lengths, 1024, trial, world, 1)
-        ranks = [train.rank_batches(lengths, 1024, trial, r, world) for r in range(world)]
+        steps = batching.steps_in_epochs(lengths, 1024, trial, world, 1)
+        ranks = [batching.rank_batches(lengths, 1024, trial, r, world) for r in range(world)]
         seen = [i for _ in range(steps) for r in ranks for i in next(r)[1]]
         assert sorted(seen) == list(range(len(lengths))), (world, trial)
         assert next(ranks[0])[0] == 1  # the next batch is the next epoch's: nothing of epoch 0 left over
