@@ -49,6 +49,7 @@ import state_shards as shards
 from chat_render import ChatRenderer, data_files, load_samples
 from target_states import check_aux_layer_ids, default_aux_layer_ids
 import report
+from vllm_extraction import vllm_configs
 from script import PROGRESS_EVERY_S, Refused, main_of, progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -146,18 +147,6 @@ def layer_ids(config: dict, aux_text: str | None, served: str | None = None) -> 
         raise Refused(f"layer id 0 (the embeddings) cannot be extracted from a {config['model_type']} target in "
                       f"vLLM (no residual stream before layer 0): pass --layers with ids in [1, {n}]")
     return aux, layers
-
-
-def vllm_configs(layers: list[int], storage: str, cpu: bool) -> dict:
-    """The speculative + kv-transfer configs that make vLLM write the states of `layers` to storage/."""
-    connector = ({"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": "cpu_hidden_states_connector"}
-                 if cpu else {"kv_connector": "ExampleHiddenStatesConnector"})
-    return {
-        "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                               "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}},
-        "kv_transfer_config": {**connector, "kv_role": "kv_producer",
-                               "kv_connector_extra_config": {"shared_storage_path": storage}},
-    }
 
 
 # ---------------------------------------------------------------- the states of one request

@@ -25,7 +25,6 @@ resumes, and completes the merge once every shard is home::
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -39,20 +38,12 @@ from .host import Session, quote
 from .inventory import Host
 from .runs import LIVE_PID, RUN_ID, check_run_id, run_dir, runs_dir, tmux_session
 from .servicefiles import SERVICE
+from .shared import remote_module
 
 MERGED = "merged.jsonl"
 
 
-def _load_manifest_module():
-    """remote/manifest.py, the one definition of a run's manifest, shared with the hosts (stdlib only)."""
-    path = Path(__file__).resolve().parent.parent / "remote" / "manifest.py"
-    spec = importlib.util.spec_from_file_location("specops_run_manifest", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-manifest = _load_manifest_module()
+manifest = remote_module("manifest")  # the one definition of a run's manifest, shared with the hosts
 
 _PROBE = """
 d={dir}

