@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .host import Session, quote
+from .supervisors import SYSTEMD_PROBE
 
 _PROBE = r"""
 py={python}; wd={workdir}
@@ -13,15 +14,15 @@ echo "disk_kb=$(df -Pk "$d" | awk 'NR==2 {{print $4}}')"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader,nounits 2>/dev/null | sed 's/^/gpu=/'
 fi
-if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ] && systemctl show --property=Version >/dev/null 2>&1; then
-  echo systemd=yes; else echo systemd=no; fi
+{systemd_probe}
 for tool in tmux rsync; do command -v $tool >/dev/null 2>&1 && echo $tool=yes || echo $tool=no; done
 """
 
 
 def probe(session: Session) -> dict:
     """One row of facts for `inv hosts` (all gathered in a single round trip)."""
-    out = session.sh(_PROBE.format(python=quote(session.host.python), workdir=quote(session.workdir)),
+    out = session.sh(_PROBE.format(python=quote(session.host.python), workdir=quote(session.workdir),
+                                   systemd_probe=SYSTEMD_PROBE),
                      timeout=30).stdout
     facts: dict = {"gpu": []}
     for line in out.splitlines():

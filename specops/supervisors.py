@@ -19,10 +19,12 @@ from .host import Session, quote
 from .servicefiles import Layout, Policy, Rendered
 
 TOOLS = ("tmux", "install", "systemctl", "journalctl")
+# systemd is usable when PID 1 is systemd and systemctl answers (a container's systemctl may not): prints systemd=yes|no
+SYSTEMD_PROBE = ('if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ] && systemctl show --property=Version >/dev/null 2>&1; '
+                 'then echo systemd=yes; else echo systemd=no; fi')
 _FACTS = r"""
 echo "user=$(id -un)"; echo "uid=$(id -u)"
-if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ] && systemctl show --property=Version >/dev/null 2>&1; then
-  echo systemd=yes; else echo systemd=no; fi
+{systemd_probe}
 for tool in {tools}; do echo "$tool=$(command -v $tool)"; done
 echo "last=$(cat {marker} 2>/dev/null)"
 """
@@ -39,7 +41,8 @@ class HostFacts:
 
 def host_facts(session: Session, layout: Layout) -> HostFacts:
     """Who we are on the host and what it offers, in one round trip."""
-    out = session.sh(_FACTS.format(tools=" ".join(TOOLS), marker=quote(layout.marker)), timeout=30).stdout
+    script = _FACTS.format(tools=" ".join(TOOLS), marker=quote(layout.marker), systemd_probe=SYSTEMD_PROBE)
+    out = session.sh(script, timeout=30).stdout
     kv = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     return HostFacts(kv.get("user", "?"), int(kv.get("uid", -1)), kv.get("systemd") == "yes",
                      {t: kv.get(t, "") for t in TOOLS}, kv.get("last", ""))
