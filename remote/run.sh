@@ -21,13 +21,8 @@ main() {
   here=$(cd "$(dirname "$0")" && pwd)
   cd "$dir" || exit 1
   trap : INT TERM
-  if [ -n "$env_file" ] && [ -r "$env_file" ]; then
-    set -a
-    . "$env_file"
-    set +a
-  fi
   export PYTHONUNBUFFERED=1
-  bash ./cmd </dev/null >>log 2>&1
+  bash "$here/with_env.sh" "$env_file" bash ./cmd </dev/null >>log 2>&1
   local code=$?
   printf '%s\n' "$code" >.exit_code.tmp && mv -f .exit_code.tmp exit_code
   "$python" "$here/manifest.py" "$dir" </dev/null >>log 2>&1

@@ -18,7 +18,7 @@ from pathlib import Path
 from . import artifacts, fanout, group, runs, service, urls, watch
 from . import plan as plans
 from .errors import SpecopsError
-from .host import Session, connect, quote
+from .host import Session, connect
 from .servicefiles import Layout
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -86,8 +86,8 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
         # like the run itself, read the key from the service's env file (never a command line)
         argv = script(session, "generate.py") + args(session) + ["--out", "/nonexistent", "--check"]
         env_file = Layout(session.workdir).env_file
-        r = session.sh(f"set -a; [ -r {quote(env_file)} ] && . {quote(env_file)}; set +a; exec {shlex.join(argv)}",
-                       check=False, timeout=300)
+        r = session.sh(shlex.join(["bash", code(session, "remote/with_env.sh"), env_file, *argv]), check=False,
+                       timeout=300)
         if not r.ok:
             why = (r.stderr.strip() or r.stdout.strip() or f"exit {r.exit_code}").splitlines()[-1]
             raise SpecopsError(f"{session.host.name}: not ready to generate: {why}")
