@@ -42,7 +42,8 @@ all:
                   "stop service"):
         assert stage in summary, summary
     al = float(re.search(r"acceptance length ([\d.]+)", summary).group(1))
-    assert 1.0 <= al <= 4.0
+    # the trained draft is accepted: a random draft of its shape gets ~1.0 (tests/test_eval.py); seen 3.17
+    assert al > 2.0, summary
     assert (dest / "demo-eval" / "localhost" / "report.json").is_file()
     for run in ("demo-generate", "demo-train", "demo-eval"):  # the demo ends with its reports, named in the summary
         assert str(dest / run / "localhost" / "report.html") in summary, summary
