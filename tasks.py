@@ -88,10 +88,12 @@ def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, s
 
 
 @task(help={"on": "the host whose vLLM to reach", "inventory": HOST_HELP["inventory"],
-            "local_port": "local port to listen on (default: the host's vLLM port)"})
-def tunnel(c, on=None, inventory=None, local_port=0):
+            "local_port": "local port to listen on (default: the same as the remote port)",
+            "remote_port": "the host's loopback port to reach (default: its vLLM's; e.g. 6006 for a TensorBoard)"})
+def tunnel(c, on=None, inventory=None, local_port=0, remote_port=0):
     """Forward a local port to a host's 127.0.0.1 vLLM port over SSH and print the base URL; Ctrl-C closes."""
-    return specops.tunnel.forward(select_hosts(c, inventory, on), local_port=local_port or None)
+    return specops.tunnel.forward(select_hosts(c, inventory, on), local_port=int(local_port) or None,
+                                  remote_port=int(remote_port) or None)
 
 
 RUN_NAME_HELP = {"name": "run id to use (default: <kind>-<UTC yyyymmdd-hhmmss>)",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import select
 import shlex
 import shutil
 import socket
@@ -314,11 +315,65 @@ class Session:
 
     @contextmanager
     def tunnel(self, local_port: int, remote_port: int):
-        """Forward 127.0.0.1:local_port here to 127.0.0.1:remote_port on the host."""
+        """Forward 127.0.0.1:local_port here to 127.0.0.1:remote_port on the host, one SSH channel a connection.
+
+        Not Fabric's forward_local: its listener thread dies on the first connection the host refuses
+        (nothing listening there yet, say a vLLM still loading) and leaves the port bound, so every
+        later connection hangs. Here a refused connection is closed and the tunnel keeps listening.
+        """
         if self._local is not None:
             raise HostError(f"{self.host.name}: is this machine; no tunnel needed (port {remote_port})")
-        with self._conn.forward_local(local_port, remote_port=remote_port, remote_host="127.0.0.1"):
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", local_port))
+        listener.listen(16)
+        listener.settimeout(0.2)
+        transport, stop = self._conn.transport, threading.Event()
+
+        def accept() -> None:
+            while not stop.is_set():
+                try:
+                    client, peer = listener.accept()
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return
+                try:
+                    channel = transport.open_channel("direct-tcpip", ("127.0.0.1", remote_port), peer, timeout=30)
+                except (paramiko.SSHException, OSError):  # nothing listens there (yet): this connection only
+                    client.close()
+                    continue
+                threading.Thread(target=_pump, args=(client, channel, stop), daemon=True).start()
+
+        thread = threading.Thread(target=accept, name=f"tunnel-{local_port}", daemon=True)
+        thread.start()
+        try:
             yield
+        finally:
+            stop.set()
+            thread.join()
+            listener.close()
+
+
+def _pump(client: socket.socket, channel: paramiko.Channel, stop: threading.Event) -> None:
+    """Copy bytes both ways between a local connection and its SSH channel; an end-of-file on one
+    side is passed on as a half-close, and the pair is closed when both sides have ended."""
+    sinks = {client: channel, channel: client}
+    try:
+        while sinks and not stop.is_set():
+            ready, _, _ = select.select(list(sinks), [], [], 0.5)
+            for source in ready:
+                sink, data = sinks[source], source.recv(65536)
+                if data:
+                    sink.sendall(data)
+                    continue
+                del sinks[source]
+                sink.shutdown_write() if sink is channel else sink.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        channel.close()
+        client.close()
 
 
 def known_hosts_files(host: Host) -> list[str]:

@@ -1,8 +1,9 @@
-"""`inv tunnel`: reach a host's loopback-only vLLM from here, through the SSH connection.
+"""`inv tunnel`: reach a host's loopback-only vLLM (or TensorBoard) from here, through the SSH connection.
 
 vLLM binds the host's 127.0.0.1 by default, so nothing but SSH can reach it. The tunnel
 forwards 127.0.0.1:LOCAL here to 127.0.0.1:PORT there for as long as the task runs
-(Ctrl-C closes it) and prints the base URL to give an OpenAI client.
+(Ctrl-C closes it) and prints the base URL to give an OpenAI client. ``remote_port`` reaches
+another loopback service of the host instead, e.g. a TensorBoard started there on 6006.
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ from .errors import SpecopsError
 from .host import connect
 
 
-def forward(hosts, *, local_port: int | None = None, out=None) -> int:
+def forward(hosts, *, local_port: int | None = None, remote_port: int | None = None, out=None) -> int:
     if len(hosts) != 1:
         raise SpecopsError(f"inv tunnel takes one host, got {len(hosts)}: pass --on HOST", exit_code=2)
     host = hosts[0]
+    there = remote_port or host.port
+    path = "/v1" if there == host.port else "/"  # vLLM's OpenAI base URL, or the other service's root
+    if not 0 < there < 65536:
+        raise SpecopsError(f"--remote-port {there} is not a port (1-65535)", exit_code=2)
     if host.is_local:
-        print(f"{host.name} is this machine: http://127.0.0.1:{host.port}/v1 (no tunnel needed)", file=out, flush=True)
+        print(f"{host.name} is this machine: http://127.0.0.1:{there}{path} (no tunnel needed)", file=out, flush=True)
         return 0
-    port = local_port or host.port
+    port = local_port or there
     if not _bindable(port):
         raise SpecopsError(f"local port {port} is in use; pick another with --local-port N")
-    with connect(host) as session, session.tunnel(port, host.port):
-        _wait_listening(port)
-        print(f"http://127.0.0.1:{port}/v1  ->  {host.name}:127.0.0.1:{host.port}   (Ctrl-C closes the tunnel)",
+    with connect(host) as session, session.tunnel(port, there):
+        print(f"http://127.0.0.1:{port}{path}  ->  {host.name}:127.0.0.1:{there}   (Ctrl-C closes the tunnel)",
               file=out, flush=True)
         try:
             while True:
@@ -49,12 +53,3 @@ def _bindable(port: int) -> bool:
             if e.errno == errno.EADDRINUSE:
                 return False
             raise
-
-
-def _wait_listening(port: int, timeout: float = 5) -> None:
-    """Fabric's forward_local returns before its listener is bound; a port we can no longer bind is bound."""
-    deadline = time.monotonic() + timeout
-    while _bindable(port):
-        if time.monotonic() > deadline:
-            raise SpecopsError(f"the tunnel's listener on 127.0.0.1:{port} did not come up")
-        time.sleep(0.02)

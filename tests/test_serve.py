@@ -374,3 +374,52 @@ def test_tunnel_reaches_the_hosts_loopback_port(tmp_path, ssh_host):
     finally:
         proc.kill()
         server.shutdown()
+
+
+def test_tunnel_reaches_a_tensorboard_on_the_host(tmp_path, ssh_host):
+    """A real TensorBoard on the host's loopback, over a run's event files, read through `inv tunnel
+    --remote-port`: the scalars a train run writes, seen from here without pulling. The tunnel is
+    opened, and used once, before TensorBoard listens (as a user may while a service starts): that
+    connection fails at once, and the tunnel still serves the next ones (Fabric's forwarder died there)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    logdir = Path(ssh_host.workdir) / "runs" / "train-tb" / "tensorboard"
+    with SummaryWriter(str(logdir)) as writer:
+        for step, loss in enumerate([3.0, 2.5, 2.0]):
+            writer.add_scalar("train/loss", loss, step)
+    board_port, local = free_port(), free_port()
+    path = tmux_inventory(tmp_path, ssh_host, ssh_host.workdir)
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "tunnel", "--on", ssh_host.name, "--local-port", str(local),
+                             "--remote-port", str(board_port)],
+                            cwd=REPO, env={**os.environ, "SPECOPS_INVENTORY": str(path), "SPECOPS_SSH_CONFIG": "none"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    board = None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"http://127.0.0.1:{local}/ "), line or proc.stderr.read()
+        url = f"http://127.0.0.1:{local}/data/plugin/scalars/scalars?run=train-tb/tensorboard&tag=train/loss"
+        started = time.monotonic()
+        with pytest.raises(OSError):  # nothing listens on the host's port yet
+            urllib.request.urlopen(url, timeout=20)
+        assert time.monotonic() - started < 10  # refused, not left hanging
+        board = subprocess.Popen([str(Path(sys.executable).parent / "tensorboard"), "--logdir",
+                                  str(logdir.parent.parent), "--port", str(board_port)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline, seen = time.monotonic() + 90, None
+        while time.monotonic() < deadline:  # TensorBoard answers once it has started and read the logdir
+            try:
+                with urllib.request.urlopen(url, timeout=20) as resp:
+                    seen = [round(value, 3) for _, _, value in json.loads(resp.read())]
+                if len(seen) == 3:
+                    break
+            except OSError:  # not up yet
+                pass
+            time.sleep(0.5)
+        assert seen == [3.0, 2.5, 2.0], (seen, board.poll(), proc.poll())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+        if board:
+            board.kill()
+            board.wait()
