@@ -119,12 +119,48 @@ def status(hosts: list[Host], run_id: str | None = None, *, last: int = 10, as_j
             fanout.print_table([{"host": name, "run": r["run"], "state": r["state"], "exit": r["exit"],
                                  "age": progress.duration(r["age_s"]),
                                  "progress": progress.describe(r["progress"])[0]} for name, r in found], out=out)
+        if group_rows := across_hosts(found):
+            fanout.print_table(group_rows, out=out)
     if run_id and not found and all(o.ok for o in outcomes):
         raise SpecopsError(f"no run {run_id} on {', '.join(h.name for h in hosts)}")
     code = 1 if any(not o.ok for o in outcomes) else 0
     if run_id and any(r["state"] in ("failed", "lost") for _, r in found):
         code = 1
     return code
+
+
+SUMMED = ("done", "total", "rows_s", "req_s", "errors", "failed", "truncated", "tok_s", "out_tok_s")
+
+
+def across_hosts(found: list[tuple[str, dict]]) -> list[dict]:
+    """One row per run that spans several hosts (a sharded generate, a group's torchrun job): how
+    many hosts, their states together, and the run's progress as one: counts and rates of the
+    shards summed, the slowest ETA; a figure only one host prints (rank 0's loss) is that host's."""
+    by_run: dict[str, list[dict]] = {}
+    for _, r in found:
+        by_run.setdefault(r["run"], []).append(r)
+    rows = []
+    for run, members in by_run.items():
+        if len(members) < 2:
+            continue
+        states = [r["state"] for r in members]
+        together = {s: states.count(s) for s in dict.fromkeys(states)}
+        reports = [r["progress"] for r in members if isinstance(r["progress"], dict)]
+        merged: dict = {}
+        for report in reports:
+            for key, value in report.items():
+                if key in SUMMED and isinstance(value, (int, float)) and isinstance(merged.get(key, 0), (int, float)):
+                    merged[key] = merged.get(key, 0) + value
+                elif key == "eta_s" and isinstance(value, (int, float)):
+                    merged[key] = max(value, merged.get(key) or 0)
+                elif key != "stage":
+                    merged.setdefault(key, value)
+        if len({report.get("stage") for report in reports}) == 1:  # "done" only when every host is done
+            merged["stage"] = reports[0].get("stage")
+        rows.append({"run": run, "hosts": len(members),
+                     "state": states[0] if len(together) == 1 else ", ".join(f"{n} {s}" for s, n in together.items()),
+                     "progress (all hosts)": progress.describe(merged or None)[0]})
+    return rows
 
 
 def describe_gpu_use(gpus: list[list[float]]) -> str:

@@ -9,6 +9,7 @@ off the server as well as off SSH, as a dead host is.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -144,6 +145,8 @@ def test_group_generate_then_group_train_gives_one_identical_draft(served, tmp_p
     assert "merged.jsonl: 12 records" in proc.stdout
     status = inv("status", "--on", "pair", "--run", train, "--json", inventory=path)
     assert {r["host"]: r["runs"][0]["run"] for r in json.loads(status.stdout)} == {"node1": train, "node2": train}
+    table = inv("status", "--on", "pair", "--run", train, inventory=path).stdout  # and one row for the whole job
+    assert re.search(rf"^{train}\s+2\s", table, re.M), table
     codes = [wait_ended(n, train, timeout=900) for n in (node1, node2)]
     logs = [sh(n, f"tail -30 {n.workdir}/runs/{train}/log").decode() for n in (node1, node2)]
     assert codes == [0, 0], "\n".join(logs)

@@ -162,3 +162,22 @@ def run_in_pty(args, inventory, timeout=60) -> bytes:
         os.close(master)
     assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")
     return b"".join(chunks)
+
+
+def test_a_run_across_hosts_is_one_row_with_its_shards_summed():
+    from specops.watch import across_hosts
+
+    found = [("node1", {"run": "gen-1", "state": "running", "progress": {"done": 3, "total": 6, "rows_s": 1.5,
+                                                                         "eta_s": 4, "stage": "generate"}}),
+             ("node2", {"run": "gen-1", "state": "succeeded", "progress": {"done": 6, "total": 6, "rows_s": 2.0,
+                                                                           "eta_s": 0, "stage": "done"}}),
+             ("node1", {"run": "train-1", "state": "running", "progress": {"step": 5, "steps": 10, "loss": 2.5}}),
+             ("node2", {"run": "train-1", "state": "running", "progress": None}),  # rank 1 prints no progress
+             ("node1", {"run": "solo", "state": "succeeded", "progress": None})]
+    rows = {r["run"]: r for r in across_hosts(found)}
+    assert set(rows) == {"gen-1", "train-1"}  # a run on one host has its host row only
+    assert rows["gen-1"]["hosts"] == 2 and rows["gen-1"]["state"] == "1 running, 1 succeeded"
+    assert rows["gen-1"]["progress (all hosts)"] == "9/12 rows (75%) · 3.5 rows/s · ETA 4s"  # not "done": one host is not
+    assert rows["train-1"]["state"] == "running"
+    train = rows["train-1"]["progress (all hosts)"]
+    assert train.startswith("step 5/10") and "loss 2.500" in train, train
