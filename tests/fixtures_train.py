@@ -75,3 +75,10 @@ def heldout_prompts(tmp_path_factory):
 def trained_run(tiny_model, generated_data, tmp_path_factory):
     """A full-vocabulary draft trained on generated_data with the tiny recipe (run directory)."""
     return train(tiny_model, generated_data, tmp_path_factory.mktemp("train") / "run")
+
+
+@pytest.fixture(scope="session")
+def trained_run_report(tiny_model, trained_run, heldout_prompts):
+    """trained_run's draft measured once by remote/eval.py on the held-out prompts (with the baseline):
+    greedy decoding gives the same figures every time, so every test comparing against it shares it."""
+    return evaluate(tiny_model, trained_run / "draft", heldout_prompts, trained_run / "eval.json")

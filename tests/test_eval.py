@@ -29,9 +29,9 @@ def random_draft(tiny_model, out, draft_vocab=None):
     return out
 
 
-def test_trained_draft_accepts_far_more_than_a_random_one(tiny_model, trained_run, heldout_prompts, tmp_path,
+def test_trained_draft_accepts_far_more_than_a_random_one(tiny_model, trained_run_report, heldout_prompts, tmp_path,
                                                           tmp_path_factory):
-    report = evaluate(tiny_model, trained_run / "draft", heldout_prompts, tmp_path / "trained.json")
+    report = trained_run_report
     print(f"AL trained {report['acceptance_length']} {report['per_position']}, speedup {report['speedup']}")
     assert set(report) >= {"acceptance_length", "per_position", "tokens_per_s", "speedup", "runs"}
     assert len(report["per_position"]) == 3 and report["runs"][0]["drafts"] > 0

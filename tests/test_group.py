@@ -256,10 +256,11 @@ VLLM_ON_HOST = ("VLLM_CPU_KVCACHE_SPACE=1\nVLLM_ENABLE_V1_MULTIPROCESSING=0\nVLL
                 "VLLM_CACHE_ROOT={w}/cache\nTORCHINDUCTOR_CACHE_DIR={w}/inductor\nTMPDIR={w}/tmp\nOMP_NUM_THREADS=1\n")
 
 
-def test_the_group_draft_accepts_like_a_single_host_one(served, tmp_path, tiny_model, trained_run, heldout_prompts):
+def test_the_group_draft_accepts_like_a_single_host_one(served, tmp_path, tiny_model, trained_run_report,
+                                                        heldout_prompts):
     """The tiny recipe over the group (300 generated rows, 300 steps on 2 nodes), measured by `inv eval` in
     real vLLM, against the single-host draft of the same recipe (test fixtures) measured the same way."""
-    from tests.fixtures_train import TINY_RECIPE, evaluate
+    from tests.fixtures_train import TINY_RECIPE
     (node1, node2, _), _ = served
     path = write_inventory(tmp_path / "inventory.yaml", {"pair": [node1, node2]}, group_vars={"pair": {
         "model": "models/tiny", "served_model_name": "tiny", "port": PORT, "max_model_len": 512}})
@@ -278,7 +279,7 @@ def test_the_group_draft_accepts_like_a_single_host_one(served, tmp_path, tiny_m
                "--dest", tmp_path / "artifacts", "--", "--no-baseline", inventory=path, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     group_al = json.loads(next((tmp_path / "artifacts").glob("eval-*/node1/report.json")).read_text())
-    single_al = evaluate(tiny_model, trained_run / "draft", heldout_prompts, tmp_path / "single.json", "--no-baseline")
+    single_al = trained_run_report  # the same recipe on one host (test fixtures), measured the same way
     print(f"AL group {group_al['acceptance_length']} single {single_al['acceptance_length']}")
     assert group_al["acceptance_length"] > 2.0  # a random draft: ~1.0
     assert abs(group_al["acceptance_length"] - single_al["acceptance_length"]) < 0.5
