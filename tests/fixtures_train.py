@@ -78,7 +78,9 @@ def trained_run(tiny_model, generated_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def trained_run_report(tiny_model, trained_run, heldout_prompts):
+def trained_run_report(tiny_model, trained_run, heldout_prompts, tmp_path_factory):
     """trained_run's draft measured once by remote/eval.py on the held-out prompts (with the baseline):
-    greedy decoding gives the same figures every time, so every test comparing against it shares it."""
-    return evaluate(tiny_model, trained_run / "draft", heldout_prompts, trained_run / "eval.json")
+    greedy decoding gives the same figures every time, so every test comparing against it shares it.
+    Its own directory: eval draws report.html next to its JSON, which must not replace train's."""
+    out = tmp_path_factory.mktemp("trained-eval") / "eval.json"
+    return evaluate(tiny_model, trained_run / "draft", heldout_prompts, out)
