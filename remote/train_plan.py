@@ -137,7 +137,7 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
         while hi - lo > 256:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        largest = lo // 256 * 256 if lo >= 256 else lo
+        largest = max(max_len, lo // 256 * 256)  # rounded to 256 tokens, never below the one sample that fits
     chosen = (min(largest, CPU_AUTO_BATCH) if cpu else largest) if batch_tokens == "auto" else int(batch_tokens)
     tokens = max(chosen, max_len)  # a sample longer than the batch is a batch of its own
     ok = chosen > 0 and fits(tokens)

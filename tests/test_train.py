@@ -408,6 +408,26 @@ def test_plan_of_kimi_k2_fits_8_h200_and_8_h100_and_is_refused_on_24_gb(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_a_batch_too_big_is_refused_naming_the_largest_that_fits_not_the_sample_length():
+    """Host-free: with a --max-len that is no multiple of 256, the largest batch is not rounded below the
+    one sample that fits, so a too-big --batch-tokens is told the largest, not that one sample is too long."""
+    sys.path.insert(0, str(ROOT / "remote"))
+    import train_plan
+
+    config = json.loads(KIMI_CONFIG.read_text())
+    shape = train_plan.draft_shape(config, 32000)
+    common = dict(shape=shape, gpus=8, ttt=7, online=False, gpu_gb=141)
+    lo, hi = 4096, 2**22  # the most tokens a step can hold here (a batch of max_len 4096 samples)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if train_plan.plan(config, batch_tokens=mid, max_len=4096, **common)["fits"] else (lo, mid)
+    max_len = lo if lo % 256 else lo - 1  # one sample of exactly what fits
+    auto = train_plan.plan(config, batch_tokens="auto", max_len=max_len, **common)
+    assert auto["fits"] and auto["largest_batch_tokens"] >= max_len
+    big = train_plan.plan(config, batch_tokens=max_len + 256, max_len=max_len, **common)
+    assert not big["fits"] and big["reason"].startswith(f"--batch-tokens {max_len + 256} does not fit"), big["reason"]
+
+
 def test_draft_shape_flags_reach_the_exported_config(tiny_model, tmp_path):
     out = train(tiny_model, chat_rows(tmp_path / "chat.jsonl"), tmp_path / "run", "--steps", "2", "--batch-tokens",
                 "512", "--draft-heads", "2", "--draft-kv-heads", "1", "--draft-intermediate", "96")
