@@ -1,17 +1,25 @@
 """Shared fixtures, one module per area (tests/fixtures_<area>.py).
 
-`--repeat N` runs each selected test N times in a row, its module's fixtures (one vLLM, one host) shared:
+`--repeat N` runs each selected test N times, its module's fixtures (one vLLM, one host) shared:
 the loop that tells a race fixed from a race missed by luck (issue 18), e.g.
 `pytest --repeat 10 tests/test_runs.py`.
 """
+import pytest
+
 pytest_plugins = ["tests.fixtures_hosts", "tests.fixtures_vllm", "tests.fixtures_train"]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--repeat", type=int, default=1, metavar="N", help="run each selected test N times in a row")
+    parser.addoption("--repeat", type=int, default=1, metavar="N", help="run each selected test N times")
 
 
-def pytest_collection_modifyitems(config, items):
-    times = config.getoption("--repeat")
+@pytest.fixture
+def _repeat(request):
+    return request.param
+
+
+def pytest_generate_tests(metafunc):
+    times = metafunc.config.getoption("--repeat")
     if times > 1:
-        items[:] = [item for item in items for _ in range(times)]
+        metafunc.fixturenames.append("_repeat")
+        metafunc.parametrize("_repeat", range(1, times + 1), indirect=True, ids=lambda i: f"run{i}")
