@@ -2,12 +2,11 @@
 
 import specops.deploy
 import specops.deps
-import specops.service
+import specops.pull
+import specops.serve
 import specops.tunnel
-from specops import artifacts, demo as demo_mod, facts, fanout, jobs, reports, runs, watch
-from specops.cli import HOST_HELP, allow_double_dash_single_letter_flags, remainder, select_hosts, task
-
-allow_double_dash_single_letter_flags()  # `inv generate --n 10000`, `inv eval --k 3`
+from specops import demo as demo_mod, facts, fanout, jobs, reports, runs, watch
+from specops.cli import HOST_HELP, remainder, select_hosts, task
 
 
 @task(help={**HOST_HELP, "json": "print JSON instead of a table"})
@@ -59,7 +58,7 @@ def stop(c, run, on=None, inventory=None, grace=30):
             "dest": "local directory for artifacts/<run-id>/<host>/"})
 def pull(c, run=None, on=None, inventory=None, dest="artifacts"):
     """Copy a run home from each host (rsync, resumable; SFTP fallback), verify its manifest, merge shards."""
-    return artifacts.pull(select_hosts(c, inventory, on), run, dest=dest)
+    return specops.pull.pull(select_hosts(c, inventory, on), run, dest=dest)
 
 
 @task(help={**HOST_HELP, "run": RUN_HELP, "dest": "local directory for artifacts/<run-id>/<host>/"})
@@ -82,9 +81,9 @@ def report(c, run, on=None, inventory=None, dest="artifacts"):
 def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, supervisor=None, stop=False,
           status=False, logs=False, follow=False, lines=100, json=False, extract=False, layers=None):
     """Run vLLM as a supervised service (systemd, or tmux where there is none); idempotent."""
-    return specops.service.run(select_hosts(c, inventory, on), wait=wait, timeout=timeout, restart=restart,
-                               supervisor=supervisor, stop_service=stop, show_status=status, show_logs=logs,
-                               follow=follow, lines=lines, as_json=json, extract=extract, layers=layers)
+    return specops.serve.run(select_hosts(c, inventory, on), wait=wait, timeout=timeout, restart=restart,
+                             supervisor=supervisor, stop_service=stop, show_status=status, show_logs=logs,
+                             follow=follow, lines=lines, as_json=json, extract=extract, layers=layers)
 
 
 @task(help={"on": "the host whose vLLM to reach", "inventory": HOST_HELP["inventory"],
@@ -101,16 +100,17 @@ RUN_NAME_HELP = {"name": "run id to use (default: <kind>-<UTC yyyymmdd-hhmmss>)"
                  "follow": "stream the run's log until it ends (Ctrl-C stops following, never the run)"}
 
 
-@task(help={**HOST_HELP, **RUN_NAME_HELP, "n": "rows to take from the dataset (before sharding)",
+@task(help={**HOST_HELP, **RUN_NAME_HELP,
+            "n": "rows to take from the dataset, counted before sharding (default 0: all of it)",
             "dataset": "hub name, host path, or a shipped file like examples/prompts.jsonl "
                        "(default: mlabonne/open-perfectblend)"})
-def generate(c, n=None, on=None, inventory=None, dataset=None, name=None, resume=False, follow=False):
+def generate(c, n=0, on=None, inventory=None, dataset=None, name=None, resume=False, follow=False):
     """Record the served model's own reasoning + answers for dataset prompts (a detached, sharded run).
 
-    Extra flags for remote/generate.py go after `--`, e.g. `inv generate --n 100 -- --max-tokens 2048`.
+    Extra flags for remote/generate.py go after `--`, e.g. `inv generate -n 100 -- --max-tokens 2048`.
     """
     hosts = select_hosts(c, inventory, on)
-    return jobs.generate(hosts, n=int(n) if n else None, dataset=dataset, name=name, resume=resume,
+    return jobs.generate(hosts, n=n or None, dataset=dataset, name=name, resume=resume,
                          follow=follow, extra=remainder(), on=on)[1]
 
 

@@ -171,7 +171,7 @@ def chat_rows(args):
 def serve_extract(args):
     """`inv serve --extract`'s command line for a gpu host (stock ExampleHiddenStatesConnector), then extract.py."""
     from specops.inventory import Host
-    from specops.servicefiles import Extraction, vllm_argv
+    from specops.service_spec import Extraction, vllm_argv
 
     out = Path(args.out)
     storage = out / "vllm-states"

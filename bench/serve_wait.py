@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specops import inventory, service  # noqa: E402
+from specops import inventory, serve  # noqa: E402
 from specops.errors import SpecopsError  # noqa: E402
 from specops.host import connect  # noqa: E402
 from tests.hostbed import loopback_sshd, missing_capability, write_inventory  # noqa: E402
@@ -66,7 +66,7 @@ def one_round(make_host, scratch: Path, kind: str, number: int) -> tuple[float, 
         poller = threading.Thread(target=poll_until_listed, args=(host.port, name, stop, seen), daemon=True)
         poller.start()
         try:
-            service.serve(session, restart=True, wait=True, timeout=60, secrets={}, live=False, out=io.StringIO())
+            serve.serve(session, restart=True, wait=True, timeout=60, secrets={}, live=False, out=io.StringIO())
             outcome = "ready"
         except SpecopsError:
             outcome = "death"
@@ -95,7 +95,7 @@ def bench(label: str, make_host, scratch: Path, rounds: int) -> None:
             print(line, flush=True)
     finally:
         with connect(make_host({}, "standin")) as session:
-            service.stop(session)
+            serve.stop(session)
 
 
 def main() -> None:

@@ -3,9 +3,9 @@
 
     python bench/states_loader.py [--hidden 1024] [--tokens 8192] [--batches 12] [--workers 0,2]
 
-Writes synthetic shards (state_shards.write_shard: the extraction's own format, 4 layers of
+Writes synthetic shards (states_dir.write_shard: the extraction's own format, 4 layers of
 bf16 states) under a temporary directory, then measures, in one run on this machine:
-- the loader: shard_states' DataLoader over the batches, with each --workers count
+- the loader: states_from_shards' DataLoader over the batches, with each --workers count
   (0 = read in the training thread, as before issue 12), what the training loop receives;
 - the step: the lean training step (bench/train_step.py's) at the same hidden size and
   batch, fp32 on the CPU.
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "remote"))
-import state_shards  # noqa: E402
+import states_dir  # noqa: E402
 from chat_render import Sample  # noqa: E402
 from draft_model import DraftConfig, Eagle3Draft  # noqa: E402
 from batching import cut_batches  # noqa: E402
-from shard_states import ShardTargetStates  # noqa: E402
+from states_from_shards import ShardTargetStates  # noqa: E402
 from ttt_objective import SoftCrossEntropy  # noqa: E402
 
 
@@ -40,13 +40,13 @@ def synthetic_source(root: str, hidden: int, samples: list, per_shard: int) -> S
     for k, first in enumerate(range(0, len(samples), per_shard)):
         part = list(range(first, min(first + per_shard, len(samples))))
         states = [torch.randn(len(samples[i].ids), len(layers), hidden, dtype=torch.bfloat16) for i in part]
-        state_shards.write_shard(root, k, part, states, [samples[i].ids for i in part], [samples[i].mask for i in part],
+        states_dir.write_shard(root, k, part, states, [samples[i].ids for i in part], [samples[i].mask for i in part],
                                  layers, "bf16")
         plan_shards.append({"first": part[0], "count": len(part), "tokens": sum(len(samples[i].ids) for i in part)})
     source = ShardTargetStates.__new__(ShardTargetStates)
     source.dir, source.stream, source.timeout = root, False, 60
     source.plan = {"layers": layers, "hidden_size": hidden, "shards": plan_shards, "samples": len(samples)}
-    source.owner = state_shards.shard_of(source.plan)
+    source.owner = states_dir.shard_of(source.plan)
     source._open = OrderedDict()
     return source
 

@@ -11,7 +11,7 @@ the states. Each conversation is rendered exactly as the trainer renders it (its
 (token ids, max_tokens 1) with the `extract_hidden_states` speculative method and the
 hidden-states connector, which writes one safetensors file per request. Those files are
 read (waiting on their .lock, with a timeout), removed, and packed into bf16 shards
-(see state_shards.py): the three aux layers (vLLM's ids: id k = the input of layer k)
+(see states_dir.py): the three aux layers (vLLM's ids: id k = the input of layer k)
 plus layer L (the last layer's output before the final norm, from which the trainer
 computes the target's distribution).
 
@@ -45,7 +45,7 @@ import urllib.request
 
 import torch
 
-import state_shards as shards
+import states_dir as shards
 from chat_render import ChatRenderer, data_files, load_samples
 from target_states import check_aux_layer_ids, default_aux_layer_ids
 import report

@@ -8,7 +8,7 @@ the id-L state. A `TargetStates` source provides both, plus the frozen
 embedding table the draft shares with the target.
 
 `OnlineTargetStates` runs the frozen target (transformers) on each batch: no
-state dumps on disk. `shard_states.ShardTargetStates` (states precomputed by
+state dumps on disk. `states_from_shards.ShardTargetStates` (states precomputed by
 vLLM into shards by remote/extract.py, for targets transformers cannot hold)
 implements the same `TargetStates`.
 """

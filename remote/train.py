@@ -8,7 +8,7 @@
 Reads top to bottom: data (conversations rendered with the target's own chat
 template, draft vocabulary), target states (the frozen target run online on
 each batch, or with --states the shards vLLM wrote plus the target's head
-alone: shard_states.py), draft, optimizer, the loop (training-time-test loss,
+alone: states_from_shards.py), draft, optimizer, the loop (training-time-test loss,
 metrics, checkpoints), export.
 
 Writes only under --out: metrics.jsonl (one line per step), checkpoint.pt
@@ -31,7 +31,7 @@ import acceptance
 from chat_render import ChatRenderer, data_files, load_samples
 from draft_model import DraftConfig, Eagle3Draft, export
 from batching import rank_batches, steps_in_epochs
-from shard_states import ShardTargetStates
+from states_from_shards import ShardTargetStates
 import train_plan
 from target_states import OnlineTargetStates, TargetStates
 from ttt_objective import SoftCrossEntropy, target_distribution

@@ -1,7 +1,7 @@
 """How vLLM is asked to write a target's hidden states: the one definition of its configs.
 
 Used by remote/extract.py for the offline engine and, loaded from this file (stdlib only), by
-the laptop's specops.servicefiles for `inv serve --extract`: both ask for the same thing.
+the laptop's specops.service_spec for `inv serve --extract`: both ask for the same thing.
 """
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
-import re
 import sys
 
 import invoke
@@ -49,19 +47,3 @@ def remainder() -> list[str]:
     Invoke keeps only a space-joined string of them, which loses quoting; argv does not.
     """
     return sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
-
-
-def allow_double_dash_single_letter_flags() -> None:
-    """Accept ``--n 10000`` for a one-letter parameter, as the docs spell it.
-
-    Invoke only knows ``-n`` for a parameter named ``n`` and has no option to add ``--n``.
-    tasks.py calls this while Invoke is loading it, before task arguments are parsed: the
-    not-yet-parsed arguments (up to a ``--``) get ``--x`` rewritten to ``-x``.
-    """
-    for frame in inspect.stack():
-        program = frame.frame.f_locals.get("self")
-        unparsed = getattr(getattr(program, "core", None), "unparsed", None)
-        if isinstance(program, invoke.Program) and isinstance(unparsed, list):
-            end = unparsed.index("--") if "--" in unparsed else len(unparsed)
-            unparsed[:end] = [re.sub(r"^--([a-z])(?==|$)", r"-\1", a) for a in unparsed[:end]]
-            return

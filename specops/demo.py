@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import artifacts, deploy, fanout, jobs, runs, service
+from . import deploy, fanout, jobs, pull, runs, serve
 from .errors import SpecopsError
 from .host import Session, connect
 from .inventory import Host
@@ -71,14 +71,14 @@ def run(host: Host, *, rows: int = 200, train_steps: int = 300, eval_n: int = 30
     stages.run("deploy + deps", lambda: check_ok(deploy.run(hosts), "deploy + deps"))
     with connect(host) as session:
         stages.run("tiny model", lambda: _tiny_model(session, out))
-    stages.run("serve --wait", lambda: check_ok(service.run(hosts, wait=True, timeout=900), "serve"))
+    stages.run("serve --wait", lambda: check_ok(serve.run(hosts, wait=True, timeout=900), "serve"))
     try:
         stages.run("generate", lambda: _generate(hosts, rows, fresh, check, out), "demo-generate")
         stages.run("train", lambda: _train(hosts, train_steps, fresh, check, out), "demo-train")
         stages.run("eval", lambda: _eval(hosts, eval_n, fresh, dest, check, out), "demo-eval")
         stages.run("pull", lambda: _pull(hosts, dest, check, out))
     finally:
-        stages.run("stop service", lambda: check_ok(service.run(hosts, stop_service=True), "stop"))
+        stages.run("stop service", lambda: check_ok(serve.run(hosts, stop_service=True), "stop"))
     print("\n=== summary ===", file=out)
     fanout.print_table(stages.summary(dest, host.name), out=out)
     print(f"total {sum(r['seconds'] for r in stages.rows):.0f} s; artifacts in {Path(dest).resolve()}/"
@@ -170,5 +170,5 @@ def _eval(hosts, n, fresh, dest, check, out) -> str:
 
 def _pull(hosts, dest, check, out) -> str:
     for run_id in ("demo-generate", "demo-train", "demo-eval"):
-        check(artifacts.pull(hosts, run_id, dest=dest, out=out), f"pull {run_id}")
+        check(pull.pull(hosts, run_id, dest=dest, out=out), f"pull {run_id}")
     return f"{Path(dest).resolve()}/demo-*/{hosts[0].name}/"

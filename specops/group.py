@@ -14,7 +14,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from . import artifacts, fanout, transfer
+from . import fanout, pull, transfer
 from .errors import SpecopsError
 from .host import Session, quote
 from .inventory import Host
@@ -61,8 +61,8 @@ def shipped_path(session: Session, run_id: str) -> str:
 
 def local_data(local_run: Path) -> Path | None:
     """The pulled run's records, each id once: merged.jsonl of a sharded run, the one host's data.jsonl otherwise."""
-    if (local_run / artifacts.MERGED).exists():
-        return local_run / artifacts.MERGED
+    if (local_run / pull.MERGED).exists():
+        return local_run / pull.MERGED
     singles = [p for p in local_run.glob("*/data.jsonl")]
     return singles[0] if len(singles) == 1 else None
 
@@ -76,7 +76,7 @@ def ship_data(hosts: list[Host], run_ids: list[str], *, dest: str = "artifacts",
     """
     out = out or sys.stdout
     for run_id in run_ids:
-        rc = artifacts.pull(hosts, run_id, dest=dest, out=out)
+        rc = pull.pull(hosts, run_id, dest=dest, out=out)
         source = local_data(Path(dest) / run_id)
         if source is None:
             raise SpecopsError(f"cannot train the group on {run_id}: its rows are not all home and merged "

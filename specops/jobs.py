@@ -15,13 +15,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import artifacts, fanout, group, runs, service, urls, watch
+from . import deploy, fanout, group, pull, runs, serve, urls, watch
 from . import plan as plans
 from .errors import SpecopsError
 from .host import Session, connect
-from .servicefiles import Layout
+from .service_spec import Layout
 
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 TORCHRUN_PORT = 29517
 
 
@@ -50,16 +49,16 @@ def trust_remote_code(session: Session) -> list[str]:
 
 
 def dataset_arg(session: Session, dataset: str) -> str:
-    """A relative data file is one the project ships (deployed under code/); anything else is a
-    host path or a hub dataset name, passed as is."""
-    if dataset.endswith(DATA_FILE_SUFFIXES) and not dataset.startswith(("/", "~")):
+    """A relative path to a file this project ships is read from the deployed copy (code/); anything
+    else is a host path or a hub dataset name, passed as is."""
+    if not dataset.startswith(("/", "~")) and (deploy.PROJECT_ROOT / dataset).is_file():
         return code(session, dataset)
     return session.path(dataset) if dataset.startswith("~") else dataset
 
 
 def is_run_id(value: str) -> bool:
-    """``--data``/``--states`` name a run (an id) or a path on the host."""
-    return "/" not in value and not value.endswith(DATA_FILE_SUFFIXES)
+    """``--data``/``--states`` name a run (an id: no '/' and no '.') or a path on the host."""
+    return bool(runs.RUN_ID.match(value))
 
 
 def run_output(session: Session, value: str, leaf: str) -> str:
@@ -77,7 +76,7 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
     extra = list(extra)
 
     def args(session: Session) -> list[str]:
-        a = ["--endpoint", endpoint_url(session), "--model", service.served_name(session)]
+        a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session)]
         if dataset:
             a += ["--dataset", dataset_arg(session, dataset)]
         return a + (["--n", str(n)] if n else [])
@@ -93,15 +92,19 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
             raise SpecopsError(f"{session.host.name}: not ready to generate: {why}")
         return {}
 
-    shard: bool | dict = True
     if resume and len(hosts) > 1:  # the group's recorded plan; rows of hosts that do not answer go to those that do
-        hosts, shard = replan_generate(hosts, runs.check_run_id(name or ""), preflight, out=out)
+        hosts, plan = replan_generate(hosts, runs.check_run_id(name or ""), preflight, out=out)
     else:
         checked = fanout.each(hosts, preflight)
         if any(not o.ok for o in checked):
             return None, fanout.report(checked, out=out)
-    run_id, rc = runs.launch_on(hosts, "generate", lambda s, i, k: script(s, "generate.py") + args(s)
-                                + ["--out", ".", *extra], name=name, resume=resume, shard=shard, on=on, out=out)
+        plan = plans.first_plan([h.name for h in hosts])
+
+    def argv(session: Session, index: int, count: int) -> list[str]:
+        part = plan.get(session.host.name)
+        return script(session, "generate.py") + args(session) + ["--out", ".", *extra] + (["--shard", part] if part else [])
+
+    run_id, rc = runs.launch_on(hosts, "generate", argv, name=name, resume=resume, plan=plan, on=on, out=out)
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
     return run_id, rc
@@ -158,7 +161,7 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
         raise SpecopsError(f"extract runs on one serving host; --on selects {len(hosts)}", exit_code=2)
 
     def argv(session: Session, index: int, count: int) -> list[str]:
-        a = ["--endpoint", endpoint_url(session), "--model", service.served_name(session),
+        a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session),
              "--storage", Layout(session.workdir).states_dir, "--target", model_path(session), "--out", "."]
         for d in data:
             a += ["--data", run_output(session, d, "data.jsonl")]
@@ -270,7 +273,7 @@ def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, name
     if rc:
         return run_id, rc, {}
     rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
-    rc = max(rc, artifacts.pull(hosts, run_id, dest=dest, out=out))
+    rc = max(rc, pull.pull(hosts, run_id, dest=dest, out=out))
     reports = {}
     for host in hosts:
         path = Path(dest) / run_id / host.name / "report.json"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import artifacts
+from . import pull
 from .errors import SpecopsError
 from .inventory import Host
 from .runs import check_run_id
@@ -32,7 +32,7 @@ def locate(hosts: list[Host], run_id: str, *, dest: str = "artifacts", out=None)
     code = 0
     missing = [h for h in hosts if not local_path(dest, run_id, h).is_file()]
     if missing:
-        code = artifacts.pull(missing, run_id, dest=dest, out=sys.stderr)
+        code = pull.pull(missing, run_id, dest=dest, out=sys.stderr)
     found = [h for h in hosts if local_path(dest, run_id, h).is_file()]
     for host in found:
         print(local_path(dest, run_id, host), file=out)

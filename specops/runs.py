@@ -18,7 +18,7 @@ A run's state comes from those files and tmux alone:
 
 Launching::
 
-    $ inv generate --on gpu --n 10000
+    $ inv generate --on gpu -n 10000
     host  status  run                       shard
     gpu1  ok      generate-20261202-130501  0/2
     gpu2  ok      generate-20261202-130501  1/2
@@ -35,11 +35,11 @@ import sys
 from datetime import datetime, timezone
 from typing import Callable
 
-from . import fanout, plan as plans
+from . import fanout
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
-from .servicefiles import SERVICE, Layout
+from .service_spec import SERVICE, Layout
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")  # tmux forbids '.' and ':' in session names
 
@@ -98,12 +98,13 @@ tmux new-session -d -s "$s" -c "$d" {pane}
 
 
 def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None = None, resume: bool = False,
-           env_file: str | None = None, shard: str | None = None, plan: dict | None = None) -> str:
+           env_file: str | None = None, plan: dict | None = None) -> str:
     """Start ``argv`` as a detached run on this host and return its run id.
 
     ``argv[0]`` should be absolute (e.g. ``session.venv_python``): a run has no login shell.
-    ``shard="I/K"`` appends ``--shard I/K`` (``plan``: every host's shard, recorded in meta.json so
-    any host of the group can tell who owns which rows); ``resume`` relaunches the finished run ``run_id``
+    ``plan`` ({host name: its shard spec}, see :mod:`specops.plan`) is recorded in meta.json, so any
+    host of the group can tell who owns which rows; ``argv`` already carries this host's part, as its
+    script spells it. ``resume`` relaunches the finished run ``run_id``
     with ``--resume`` appended. The host's env file (default ``<workdir>/service/vllm.env``) is
     sourced by the wrapper, so secrets never reach a command line.
 
@@ -114,14 +115,12 @@ def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None =
         raise SpecopsError("--resume needs the run id to continue (--name RUN)", exit_code=2)
     run_id = check_run_id(run_id or new_run_id(kind))
     argv = [str(a) for a in argv]
-    if shard:
-        argv += ["--shard", shard]
     if resume and "--resume" not in argv:
         argv.append("--resume")
     name, d = session.host.name, run_dir(session, run_id)
     code_dir = f"{session.workdir}/code"
     version = session.read_file(f"{code_dir}/VERSION")
-    meta = {"run_id": run_id, "kind": kind, "host": name, "argv": argv, "shard": shard,
+    meta = {"run_id": run_id, "kind": kind, "host": name, "argv": argv, "shard": (plan or {}).get(name),
             **({"plan": plan} if plan else {}), "resume": resume,
             "code_version": version.decode().strip() if version else None,
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -157,24 +156,24 @@ def _ended(exit_code_text: str) -> str:
 
 
 def launch_on(hosts: list[Host], kind: str, build_argv: Callable[[Session, int, int], list[str]], *,
-              name: str | None = None, resume: bool = False, shard: bool | dict = False, on: str | None = None,
+              name: str | None = None, resume: bool = False, plan: dict | None = None, on: str | None = None,
               env_file: str | None = None, out=None) -> tuple[str, int]:
     """Start one run per host, in parallel, all with the same run id; returns (run id, exit code).
 
     ``build_argv(session, index, count)`` gives each host's command (index/count: the host's
     place in the selection, e.g. torchrun's node rank). The command runs in its run directory,
-    so ``--out .`` puts outputs there. With ``shard`` and several hosts, host I of K also gets
-    ``--shard I/K``; ``shard`` may instead be a plan, {host name: spec} (:mod:`specops.group`),
-    for a re-planned run. Prints one row per host, then the commands to watch the run.
+    so ``--out .`` puts outputs there. ``plan``, {host name: its shard spec} (:mod:`specops.plan`), is
+    recorded with each host's run; ``build_argv`` hands each host its part. Prints one row per host,
+    then the commands to watch the run.
     """
     out = out or sys.stdout
     run_id = check_run_id(name or new_run_id(kind))
-    plan = shard if isinstance(shard, dict) else plans.first_plan([h.name for h in hosts]) if shard else {}
+    plan = plan or {}
 
     def start(session: Session, index: int, count: int) -> dict:
         part = plan.get(session.host.name)
         launch(session, kind, build_argv(session, index, count), run_id=run_id, resume=resume,
-               env_file=env_file, shard=part, plan=plan or None)
+               env_file=env_file, plan=plan or None)
         return {"run": run_id, "shard": part or "-"}
 
     code = fanout.report(fanout.each(hosts, start), out=out)

@@ -1,6 +1,6 @@
 """The two ways specops keeps vLLM running on a host: a systemd unit, or a detached tmux session.
 
-Both run the rendered command line and env file (:mod:`specops.servicefiles`) under the same
+Both run the rendered command line and env file (:mod:`specops.service_spec`) under the same
 restart policy, and offer the same operations: put the files in place (saying whether they
 changed), start or restart, stop, tell whether it runs, and name the command that reads the log.
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from . import urls
 from .errors import HostError, SpecopsError
 from .host import Session, quote
-from .servicefiles import Layout, Policy, Rendered
+from .service_spec import Layout, Policy, Rendered
 
 TOOLS = ("tmux", "install", "systemctl", "journalctl")
 # systemd is usable when PID 1 is systemd and systemctl answers (a container's systemctl may not): prints systemd=yes|no

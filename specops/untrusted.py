@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from . import secrets as secrets_mod
 from .errors import SpecopsError
 from .host import Session
-from .servicefiles import Layout
+from .service_spec import Layout
 
 _ESCAPES = re.compile(
     r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"  # CSI ... final byte (a torn one is dropped too)

@@ -25,12 +25,12 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from . import fanout, progress, service, untrusted
+from . import fanout, progress, serve, untrusted
 from .errors import HostError, SpecopsError
 from .host import Session, connect, quote
 from .inventory import Host
 from .runs import LIVE_PID, check_run_id, run_dir, runs_dir, state, tmux_session
-from .servicefiles import Layout
+from .service_spec import Layout
 
 STATUS_TIMEOUT = 30
 POLL_S = 1.0
@@ -89,9 +89,9 @@ def host_status(session: Session, run_id: str | None = None, last: int = 10) -> 
 
 
 def service_state(session: Session) -> str:
-    """'active (running), health ok' - from specops.service, which knows both supervisors."""
+    """'active (running), health ok' - from specops.serve, which knows both supervisors."""
     try:
-        st = service.status(session)
+        st = serve.status(session)
     except SpecopsError as e:
         return f"unknown ({e})"
     return f"{st['state']}, health {st['health']}"

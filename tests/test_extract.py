@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from specops.inventory import Host
-from specops.servicefiles import Extraction, Policy, environment, vllm_argv
+from specops.service_spec import Extraction, Policy, environment, vllm_argv
 from tests.fixtures_train import REMOTE, TIMEOUT, evaluate, metrics, run_script, train, train_args
 from tests.vllm_proc import start_vllm
 
 ROOT = REMOTE.parent
 sys.path.insert(0, str(REMOTE))
-import state_shards  # noqa: E402
+import states_dir  # noqa: E402
 from chat_render import ChatRenderer  # noqa: E402
-from shard_states import TargetHead  # noqa: E402
+from states_from_shards import TargetHead  # noqa: E402
 from target_states import OnlineTargetStates  # noqa: E402
 from chat_render import load_samples  # noqa: E402
 
@@ -59,7 +59,7 @@ def packed(out: Path):
     """{sample id: (token ids, loss mask, states [T, n_layers, H])} over every shard in out."""
     got = {}
     for path in sorted(out.glob("shard-*.safetensors")):
-        shard = state_shards.Shard(str(path))
+        shard = states_dir.Shard(str(path))
         for s in shard.sample_ids:
             assert s not in got, f"sample {s} in two shards"
             got[s] = (shard.token_ids(s).tolist(), shard.loss_mask(s).tolist(), shard.states(s).float())
@@ -184,7 +184,7 @@ def peak_rss_growth(load: str, touch: str) -> int:
     probe = f"""
 import sys, torch
 sys.path.insert(0, {str(REMOTE)!r})
-from shard_states import TargetHead
+from states_from_shards import TargetHead
 from transformers import AutoConfig, AutoModelForCausalLM
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
@@ -352,7 +352,7 @@ def test_kimi_k2_shape_extracts_through_a_server_and_layer_L_gives_vllms_logprob
 @pytest.mark.parametrize("flavor", ["cpu", "gpu"])
 def test_serve_extract_renders_the_layers_and_the_connector_for_the_flavor(tmp_path, flavor):
     from specops.errors import SpecopsError
-    from specops.servicefiles import render
+    from specops.service_spec import render
 
     for tool in ("python", "vllm"):  # systemd-analyze verify checks that ExecStart's program exists
         (tmp_path / "venv/bin").mkdir(parents=True, exist_ok=True)
@@ -440,7 +440,7 @@ def test_draft_from_vllm_shards_accepts_like_the_online_one(tiny_model, generate
 def spool_watch(path: Path, stop: threading.Event, peak: list):
     while not stop.is_set():
         try:
-            peak[0] = max(peak[0], state_shards.spool_bytes(str(path)))
+            peak[0] = max(peak[0], states_dir.spool_bytes(str(path)))
         except FileNotFoundError:
             pass
         time.sleep(0.01)

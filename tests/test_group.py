@@ -131,7 +131,7 @@ def test_group_generate_then_group_train_gives_one_identical_draft(served, tmp_p
     (node1, node2, _), _ = served
     path = inventory(tmp_path, [node1, node2])
     gen, train = f"gen-{uuid.uuid4().hex[:6]}", f"train-{uuid.uuid4().hex[:6]}"
-    proc = inv("generate", "--on", "pair", "--n", "12", *GEN, "--name", gen, "--follow", *GEN_EXTRA,
+    proc = inv("generate", "--on", "pair", "-n", "12", *GEN, "--name", gen, "--follow", *GEN_EXTRA,
                "--turns", "first", inventory=path, timeout=900)  # one answer a row: one sample a row
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {n.name: lines(n, f"{n.workdir}/runs/{gen}/data.jsonl") for n in (node1, node2)}
@@ -170,7 +170,7 @@ def test_a_host_cut_mid_generate_has_its_rows_finished_by_the_other(served, tmp_
     (node1, node2, _), _ = served
     path = inventory(tmp_path, [node1, node2])
     gen = f"gen-{uuid.uuid4().hex[:6]}"
-    proc = inv("generate", "--on", "pair", "--n", "16", *GEN, "--name", gen,
+    proc = inv("generate", "--on", "pair", "-n", "16", *GEN, "--name", gen,
                "--", "--max-tokens", "200", "--concurrency", "1", "--give-up-after", "900",
                inventory=path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -183,7 +183,7 @@ def test_a_host_cut_mid_generate_has_its_rows_finished_by_the_other(served, tmp_
     try:
         assert wait_ended(node1, gen, timeout=600) == 0
         env = {"SPECOPS_CONNECT_TIMEOUT": "3"}
-        proc = inv("generate", "--on", "pair", "--n", "16", *GEN, "--name", gen, "--resume", "--follow",
+        proc = inv("generate", "--on", "pair", "-n", "16", *GEN, "--name", gen, "--resume", "--follow",
                    *GEN_EXTRA, inventory=path, timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "re-planned: node2" in proc.stdout and "node1 (now 0/2,1/2)" in proc.stdout, proc.stdout
@@ -275,7 +275,7 @@ def test_the_group_draft_accepts_like_a_single_host_one(served, tmp_path, tiny_m
     sh(node1, f"mkdir -p {w}/cache {w}/inductor {w}/tmp && cat > {w}/service/vllm.env",
        input=VLLM_ON_HOST.format(w=w).encode())
     sh(node1, f"cat > {w}/heldout.jsonl", input=Path(heldout_prompts).read_bytes())
-    proc = inv("eval", "--on", "node1", "--draft", train, "--prompts", f"{w}/heldout.jsonl", "--n", "30",
+    proc = inv("eval", "--on", "node1", "--draft", train, "--prompts", f"{w}/heldout.jsonl", "-n", "30",
                "--dest", tmp_path / "artifacts", "--", "--no-baseline", inventory=path, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     group_al = json.loads(next((tmp_path / "artifacts").glob("eval-*/node1/report.json")).read_text())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specops import artifacts, fanout, group, jobs
+from specops import fanout, group, jobs, pull
 from specops import plan as plans
 from specops.errors import SpecopsError
 from specops.inventory import Host
@@ -72,10 +72,10 @@ def test_merge_after_a_replan_keeps_each_row_once_and_needs_no_gone_host(tmp_pat
     write(run / "a" / "data.jsonl", ["r0", "r2", "r1", "r3"])  # a took b's rows after b went
     write(run / "b" / "data.jsonl", ["r1"])  # b had finished r1 before it went
     gone = [outcome("a", "0/2,1/2"), outcome("b", None, error="b: unreachable")]
-    assert artifacts.merge_shards(run, gone, sys.stdout) == 0
+    assert pull.merge_shards(run, gone, sys.stdout) == 0
     assert [json.loads(x)["id"] for x in (run / "merged.jsonl").read_text().splitlines()] == ["r0", "r2", "r1", "r3"]
     back = [outcome("a", "0/2,1/2"), outcome("b", "1/2")]  # b is back: the copy it made is dropped
-    assert artifacts.merge_shards(run, back, sys.stdout) == 0
+    assert pull.merge_shards(run, back, sys.stdout) == 0
     assert sorted(json.loads(x)["id"] for x in (run / "merged.jsonl").read_text().splitlines()) == \
         ["r0", "r1", "r2", "r3"]
     assert "1 rows finished by two hosts" in capsys.readouterr().out
@@ -85,9 +85,9 @@ def test_merge_refuses_duplicates_between_disjoint_shards_and_names_missing_host
     run = tmp_path / "gen"
     write(run / "a" / "data.jsonl", ["r0", "r1"])
     write(run / "b" / "data.jsonl", ["r1"])
-    assert artifacts.merge_shards(run, [outcome("a", "0/2"), outcome("b", "1/2")], sys.stdout) == 1
+    assert pull.merge_shards(run, [outcome("a", "0/2"), outcome("b", "1/2")], sys.stdout) == 1
     assert "1 duplicate ids across shards: r1" in capsys.readouterr().out
-    assert artifacts.merge_shards(run, [outcome("a", "0/2"), outcome("b", None, error="x")], sys.stdout) == 1
+    assert pull.merge_shards(run, [outcome("a", "0/2"), outcome("b", None, error="x")], sys.stdout) == 1
     assert "shards missing from b" in capsys.readouterr().out
     assert not (run / "merged.jsonl").exists()
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from specops import artifacts, deploy, inventory, transfer
+from specops import deploy, inventory, pull, transfer
 from specops import host as host_mod
 from specops.errors import HostError
 from specops.host import connect
-from specops.servicefiles import Layout, Policy, render
+from specops.service_spec import Layout, Policy, render
 from specops.supervisors import choose, host_facts
 from tests.hostbed import write_inventory
 from tests.invoke_cli import REPO, inv
@@ -136,11 +136,11 @@ def test_pull_rules_without_a_host(tmp_path):
         transfer.inside(tmp_path, "link/passwd")
     assert [transfer.plain_name(n) for n in ("a.json", ".hidden", "..", ".", "", "a/b", "a\0b")] == \
         [True, True, False, False, False, False, False]
-    assert artifacts.shard_of('{"shard": "0/3,4/6"}', "m") == "0/3,4/6"
-    assert artifacts.shard_of('{"kind": "train"}', "m") is None
+    assert pull.shard_of('{"shard": "0/3,4/6"}', "m") == "0/3,4/6"
+    assert pull.shard_of('{"kind": "train"}', "m") is None
     for meta in ['{"shard": "1/1"}', '{"shard": "0/3,"}', '{"shard": 3}', '{"shard": "' + "0/9," * 300 + '0/9"}']:
         with pytest.raises(HostError, match="not a shard spec"):
-            artifacts.shard_of(meta, "m")
+            pull.shard_of(meta, "m")
 
 
 # ---------------------------------------------------------------- item 2: secrets private from birth

@@ -100,7 +100,9 @@ def test_tensorboard_reads_the_train_runs_scalars(trained_run):
     loss = events.Scalars("train/loss")
     assert [e.step for e in loss] == [m["step"] for m in written]
     assert [e.value for e in loss] == pytest.approx([m["loss"] for m in written], rel=1e-6)
-    assert all(0 < m["vocab_coverage"] <= 1 for m in written)
+    coverage = [e.value for e in events.Scalars("train/vocab_coverage")]
+    assert coverage == pytest.approx([m["vocab_coverage"] for m in written], rel=1e-6)
+    assert set(coverage) == {1.0}  # trained_run's draft has the target's whole vocabulary: every loss token is in it
 
 
 def test_no_tensorboard_writes_no_event_files(tiny_model, generated_data, tmp_path):

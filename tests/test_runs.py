@@ -18,6 +18,7 @@ import pytest
 from specops import deploy, inventory, runs, watch
 from specops.errors import HostError, SpecopsError
 from specops.host import connect
+from specops.plan import first_plan
 from tests.hostbed import write_inventory
 from tests.invoke_cli import REPO, inv
 
@@ -51,12 +52,17 @@ def prepare(tmp_path, hosts, group="bed"):
     return path, selected
 
 
-def python(code, *args):
-    return lambda s, i, k: [s.venv_python, "-c", code, *map(str, args)]
+def python(code, *args, plan=None):
+    """A run's command; with ``plan``, each host gets ``--shard`` its part, as jobs.generate hands it."""
+    def argv(s, i, k):
+        part = (plan or {}).get(s.host.name)
+        return [s.venv_python, "-c", code, *map(str, args)] + (["--shard", part] if part else [])
+    return argv
 
 
-def start(hosts, code, *args, name=None, **kwargs):
-    run_id, exit_code = runs.launch_on(hosts, "test", python(code, *args), name=name, **kwargs)
+def start(hosts, code, *args, name=None, sharded=False, **kwargs):
+    plan = first_plan([h.name for h in hosts]) if sharded else None
+    run_id, exit_code = runs.launch_on(hosts, "test", python(code, *args, plan=plan), name=name, plan=plan, **kwargs)
     assert exit_code == 0
     return run_id
 
@@ -210,7 +216,7 @@ def test_two_workdirs_on_one_host_keep_their_runs_apart(tmp_path, ssh_host):
 
 def test_sharded_runs_on_three_hosts_with_a_cut_link(tmp_path, netns_trio):
     path, hosts = prepare(tmp_path, netns_trio, group="trio")
-    run_id = start(hosts, SHARDED_WRITER, 30, 1.0, shard=True, on="trio")  # ~10 s per shard
+    run_id = start(hosts, SHARDED_WRITER, 30, 1.0, sharded=True, on="trio")  # ~10 s per shard
     meta = [json.loads(remote(h, f"cat {h.workdir}/runs/{run_id}/meta.json")) for h in hosts]
     assert [m["shard"] for m in meta] == ["0/3", "1/3", "2/3"]
     env = {"SPECOPS_CONNECT_TIMEOUT": "3"}
@@ -265,7 +271,7 @@ def test_pull_refuses_to_merge_duplicate_ids(tmp_path, ssh_host, ml_host):
     """Two shards that both wrote the same rows (a sharding bug): no merged.jsonl, and the ids named."""
     path, hosts = prepare(tmp_path, [ssh_host, ml_host])
     run_id = start(hosts, "import json; open('data.jsonl', 'w').write(''.join(json.dumps({'id': f'row-{r}'}) + '\\n'"
-                          " for r in range(3)))", shard=True)
+                          " for r in range(3)))", sharded=True)
     for host in hosts:
         wait_for(host, run_id, {"succeeded"})
     dest = tmp_path / "artifacts"

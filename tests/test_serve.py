@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.servicefiles import Layout
+from specops.service_spec import Layout
 from tests.hostbed import write_inventory
 from tests.invoke_cli import inv
 from tests.standin_vllm import HERE as STANDIN
@@ -309,7 +309,7 @@ def test_real_vllm_under_tmux(tmp_path, netns_trio, tiny_model, api_key):
 
         # `inv generate` end to end against this host's own vLLM (key from the env file), then `inv pull`
         assert inv("deploy", "--on", node.name, "--no-deps", inventory=path).returncode == 0
-        gen = inv("generate", "--on", node.name, "--n", "12", "--dataset", "examples/prompts.jsonl", "--name",
+        gen = inv("generate", "--on", node.name, "-n", "12", "--dataset", "examples/prompts.jsonl", "--name",
                   "gen-e2e", "--follow", "--", "--max-tokens", "300", inventory=path, timeout=600)
         assert gen.returncode == 0, outputs(gen)
         pulled = inv("pull", "--on", node.name, "--run", "gen-e2e", "--dest", tmp_path / "artifacts", inventory=path)

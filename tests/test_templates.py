@@ -17,7 +17,7 @@ from specops import secrets
 from specops.errors import SpecopsError
 from specops.inventory import Host
 from specops.progress import Display, Startup
-from specops.servicefiles import Layout, Policy, _jinja, render, vllm_argv
+from specops.service_spec import Layout, Policy, _jinja, render, vllm_argv
 from tests.capability import require
 
 AWKWARD_DIR = "my work %n $HOME"  # systemd specifiers, a variable, spaces

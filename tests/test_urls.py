@@ -3,9 +3,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from specops import jobs, service, supervisors, urls
+from specops import jobs, serve, supervisors, urls
 from specops.inventory import Host
-from specops.servicefiles import Layout
+from specops.service_spec import Layout
 
 
 @pytest.mark.parametrize("bind, url", [
@@ -45,7 +45,7 @@ def test_generate_the_readiness_probe_and_serve_use_the_rule(bind):
     sup = SimpleNamespace(session=session, name="tmux", layout=Layout("/w"), facts=SimpleNamespace(uid=0),
                           log_argv=lambda lines, follow: ["tail"])
     assert supervisors.Supervisor.probe_config(sup, "m")["url"] == urls.server_url(bind, 8002)
-    shown = service.endpoint(session)
+    shown = serve.endpoint(session)
     if bind in ("0.0.0.0", "::"):
         assert shown == "http://[2001:db8::7]:8002/v1"
     elif bind != "::1":

@@ -30,7 +30,7 @@ from tests.hostbed import write_inventory
 sys.path.insert(0, str(REMOTE))
 import extract  # noqa: E402  (remote/ scripts import their siblings by name)
 import manifest  # noqa: E402
-import state_shards  # noqa: E402
+import states_dir  # noqa: E402
 
 os.environ["SPECOPS_SSH_CONFIG"] = "none"
 
@@ -156,7 +156,7 @@ def test_manifest_of_a_directory_a_streaming_trainer_is_emptying(tmp_path):
 
 def test_spool_size_survives_a_live_writer(tmp_path):
     with churning(tmp_path, "requests/cmpl-{i}.safetensors", "shard-{i:05d}.safetensors.tmp"):
-        repeat(50, lambda: state_shards.spool_bytes(str(tmp_path)))
+        repeat(50, lambda: states_dir.spool_bytes(str(tmp_path)))
 
 
 # ---------------------------------------------------------------- pull of a live run, every transport

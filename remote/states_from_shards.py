@@ -27,7 +27,7 @@ import torch
 import torch.utils.data
 from safetensors import safe_open
 
-import state_shards as shards
+import states_dir as shards
 from batching import cut_batches, shuffled
 from chat_render import load_pretrained
 from script import progress

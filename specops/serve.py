@@ -25,7 +25,7 @@ from . import secrets as secrets_mod
 from .errors import SpecopsError
 from .host import Session, connect, quote
 from .progress import Display, Startup
-from .servicefiles import LOOPBACK, Extraction, Layout, Policy, render
+from .service_spec import LOOPBACK, Extraction, Layout, Policy, render
 from .supervisors import choose, host_facts
 
 PROBE_SOURCE = (Path(__file__).resolve().parent.parent / "remote" / "service_probe.py").read_text()

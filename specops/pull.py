@@ -37,7 +37,7 @@ from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
 from .runs import LIVE_PID, RUN_ID, check_run_id, run_dir, runs_dir, tmux_session
-from .servicefiles import SERVICE
+from .service_spec import SERVICE
 from .shared import remote_module
 
 MERGED = "merged.jsonl"
