@@ -102,7 +102,8 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
 
     def argv(session: Session, index: int, count: int) -> list[str]:
         part = plan.get(session.host.name)
-        return script(session, "generate.py") + args(session) + ["--out", ".", *extra] + (["--shard", part] if part else [])
+        shard = ["--shard", part] if part else []
+        return script(session, "generate.py") + args(session) + ["--out", ".", *shard, *extra]
 
     run_id, rc = runs.launch_on(hosts, "generate", argv, name=name, resume=resume, plan=plan, on=on, out=out)
     if rc == 0 and follow:
