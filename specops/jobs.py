@@ -103,7 +103,7 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
     def argv(session: Session, index: int, count: int) -> list[str]:
         part = plan.get(session.host.name)
         shard = ["--shard", part] if part else []
-        return script(session, "generate.py") + args(session) + ["--out", ".", *shard, *extra]
+        return script(session, "generate.py") + args(session) + ["--out", ".", *extra, *shard]
 
     run_id, rc = runs.launch_on(hosts, "generate", argv, name=name, resume=resume, plan=plan, on=on, out=out)
     if rc == 0 and follow:
