@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.hostbed import loopback_sshd, write_inventory  # noqa: E402
+from tests.helpers.hostbed import loopback_sshd, write_inventory  # noqa: E402
 
 DEPLOY = """
 import sys, json

@@ -130,33 +130,11 @@ def attention_check(args):
 
 
 def kimi_target(args):
-    """A 4-layer DeepSeek-V3 packaged as Kimi-K2 (model_type kimi_k2, its own config/tokenizer code),
-    as tests/test_extract.py's kimi_target builds it."""
-    import torch
-    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+    """A 4-layer DeepSeek-V3 packaged as Kimi-K2 (model_type kimi_k2, its own config/tokenizer code): the
+    extraction tests' target (tests/helpers/kimi.py)."""
+    from tests.helpers import kimi
 
-    from tests.test_extract import KIMI_CONFIG_CODE
-
-    out = Path(args.out)
-    tok = AutoTokenizer.from_pretrained(args.tiny)
-    torch.manual_seed(0)
-    config = DeepseekV3Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=64, v_head_dim=64, routed_scaling_factor=1.0, max_position_embeddings=512,
-        topk_method="noaux_tc", scoring_func="sigmoid", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    DeepseekV3ForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "generation_config.json").write_text((Path(args.tiny) / "generation_config.json").read_text())
-    (out / "configuration_kimi.py").write_text(KIMI_CONFIG_CODE)
-    (out / "tokenization_kimi.py").write_text(f"from transformers import {type(tok).__name__} as Base\n\n\n"
-                                              f"class KimiTokenizer(Base):\n    pass\n")
-    for name, edit in (("config.json", {"model_type": "kimi_k2",
-                                        "auto_map": {"AutoConfig": "configuration_kimi.KimiK2Config"}}),
-                       ("tokenizer_config.json", {"tokenizer_class": "KimiTokenizer", "auto_map": {
-                           "AutoTokenizer": [None, "tokenization_kimi.KimiTokenizer"]}})):
-        (out / name).write_text(json.dumps({**json.loads((out / name).read_text()), **edit}, indent=1))
+    out = kimi.build(args.tiny, args.out)
     row(step="kimi-shaped target", ok=True, path=str(out))
 
 

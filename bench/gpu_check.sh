@@ -19,7 +19,7 @@ ROOT=$PWD
 WORK=${GPU_CHECK_WORK:-/tmp/specops-gpu-check}
 NEEDS=(remote/train.py remote/train_plan.py remote/draft_model.py remote/ttt_objective.py remote/extract.py
        remote/eval.py remote/make_tiny_model.py remote/states_dir.py bench/gpu_check.py bench/kimi-k2/config.json
-       requirements/gpu.txt requirements/remote.txt specops/service_spec.py tests/test_extract.py)
+       requirements/gpu.txt requirements/remote.txt specops/service_spec.py tests/helpers/kimi.py)
 STEPS=("install" "models" "attention" "train" "extract" "eval")
 
 if [[ "${1:-}" == "--dry-run" ]]; then

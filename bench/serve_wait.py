@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/serve_wait.py [--rounds 5]
 
-The served process is tests/standin_vllm.py under the tmux supervisor (the real code path:
+The served process is tests/helpers/standin_vllm.py under the tmux supervisor (the real code path:
 rendered files, supervise.sh, the host-side probe), on the local host and, when this machine
 can start one (root), a loopback sshd host. Each round:
 
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specops import inventory, serve  # noqa: E402
 from specops.errors import SpecopsError  # noqa: E402
 from specops.host import connect  # noqa: E402
-from tests.hostbed import loopback_sshd, missing_capability, write_inventory  # noqa: E402
-from tests.standin_vllm import install_shim  # noqa: E402
-from tests.vllm_proc import free_port  # noqa: E402
+from tests.helpers.hostbed import loopback_sshd, missing_capability, write_inventory  # noqa: E402
+from tests.helpers.standin_vllm import install_shim  # noqa: E402
+from tests.helpers.vllm_proc import free_port  # noqa: E402
 
 
 def poll_until_listed(port: int, name: str, stop: threading.Event, seen: list) -> None:

@@ -60,7 +60,7 @@ def one_step(shape: dict, tokens: int, ttt: int, impl: str) -> None:
     head = torch.randn(V, H) * 0.02
     loss_mask = torch.ones(1, tokens, dtype=torch.long)
     if impl == "before":
-        from tests.plain_step import reference_step
+        from tests.helpers.plain_step import reference_step
         loss, _, _ = reference_step(draft, input_ids, aux, ttt, last @ head.T, loss_mask, vocab_ids, in_vocab, 0.8)
     else:
         # chunks in the real shape's regime (16k tokens: many loss chunks, 10 vocab chunks), so that they

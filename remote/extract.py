@@ -38,7 +38,6 @@ import fcntl
 import json
 import os
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.request

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 
 import torch

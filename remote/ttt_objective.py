@@ -11,7 +11,7 @@ k TTT steps, fp32 logits and log-softmax over the draft vocabulary kept for back
   rows, each chunk recomputed in backward: no [T, Vd] fp32 tensor outlives its chunk.
 
 The numbers are the plain objective's (train.py's docstring of the loss says which), to
-rounding; tests/test_train.py checks loss and gradients against it.
+rounding; tests/unit/test_train_parts.py checks loss and gradients against it.
 """
 import torch
 import torch.utils.checkpoint

@@ -15,7 +15,6 @@ meta.json).
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import tempfile
 import time

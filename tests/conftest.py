@@ -2,11 +2,11 @@
 
 `--repeat N` runs each selected test N times, its module's fixtures (one vLLM, one host) shared:
 the loop that tells a race fixed from a race missed by luck (issue 18), e.g.
-`pytest --repeat 10 tests/test_runs.py`.
+`pytest --repeat 10 tests/host/test_runs.py`.
 """
 import pytest
 
-pytest_plugins = ["tests.fixtures_hosts", "tests.fixtures_vllm", "tests.fixtures_train"]
+pytest_plugins = ["tests.helpers.fixtures_hosts", "tests.helpers.fixtures_vllm", "tests.helpers.fixtures_train"]
 
 
 def pytest_addoption(parser):

@@ -1,0 +1,1 @@
+"""What the tests share: real hosts (hostbed), vLLM processes, the fixtures, the inv CLI, a fault proxy."""

@@ -1,0 +1,35 @@
+"""remote/acceptance.py: the predicted acceptance length comes from each anchor's chain of hits."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "remote"))
+import acceptance  # noqa: E402
+from train import simulated_acceptance  # noqa: E402
+
+
+def test_correlated_misses_are_not_multiplied_as_if_independent():
+    # Half the anchors hit every step, half miss every step: acc_i = 0.5 at each of 3 steps.
+    hits = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    valid = torch.ones_like(hits)
+    chain = acceptance.expected_length(acceptance.chain_lengths(hits, valid))
+    assert chain == 2.5  # (4 + 4 + 1 + 1) / 4
+    assert abs(simulated_acceptance([0.5, 0.5, 0.5]) - 1.875) < 1e-9  # what the old figure said
+
+
+def test_a_chain_stops_at_its_first_miss_and_partial_anchors_are_left_out():
+    hits = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    valid = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    lengths = acceptance.chain_lengths(hits, valid)
+    assert lengths.tolist() == [2.0, 1.0]  # anchor 0: hit, miss -> 1 + 1; anchor 1: miss first; anchor 2 out
+
+
+def test_a_step_fed_a_token_serving_would_not_feed_ends_the_chain():
+    # Data token t+2 (fed to step 1) differs from the target's argmax at t+1: serving never sees that context.
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    target_top = torch.tensor([[6, 7, 99, 9, 10, 11]])  # argmax at position 2 predicts 99, data says 8
+    follows = acceptance.follows_target(input_ids, target_top, 3)
+    assert follows[0].all()
+    assert follows[1, 0, :4].tolist() == [True, False, True, True]  # slot 1: data token 3 vs argmax at 2
+    assert follows[2, 0, :3].tolist() == [False, True, True]  # slot 0: data token 3 vs argmax at 2

@@ -1,0 +1,311 @@
+"""remote/train.py and its parts, on the tiny target: rendering, target states, training, export, resume, DDP.
+
+Real parts only: the tiny model built by the project, a real vLLM for what the model emits,
+training as a subprocess. No speed is asserted (2 shared cores).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.fixtures_train import LAYER_NAMES, REMOTE, metrics, run_script, train, train_args
+
+sys.path.insert(0, str(REMOTE))
+from chat_render import ChatRenderer, normalise  # noqa: E402
+from target_states import OnlineTargetStates  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model):
+    return ChatRenderer.from_pretrained(str(tiny_model))
+
+
+def decode_masked(renderer, sample):
+    return renderer.tok.decode([t for t, m in zip(sample.ids, sample.mask) if m])
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_render_is_the_templates_own_text_with_loss_on_the_answer(renderer):
+    """Reasoning in the form the template writes it: the sample is the template's own rendering."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "\n\n2 + 3 = 5.", "reasoning": "\nAdd the ones: 2 + 3 = 5.\n"}]
+    template_chat = chat[:2] + [{"role": "assistant", "content": "2 + 3 = 5.", "reasoning": "Add the ones: 2 + 3 = 5."}]
+    [sample] = renderer.render(chat, max_len=4096)
+    full = renderer.tok.apply_chat_template(template_chat, tokenize=False)
+    prompt = renderer.tok.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True)
+    assert full.endswith("<|im_end|>\n")
+    assert renderer.tok.decode(sample.ids) == full[:-1]  # the model stops at <|im_end|>; the "\n" is the template's
+    assert decode_masked(renderer, sample) == full[len(prompt):-1]
+    assert sample.mask == sorted(sample.mask)  # prompt 0s, then answer 1s
+    assert len(renderer.render(chat, max_len=10)[0].ids) == 10  # cut, never wrapped
+
+
+def test_render_multi_turn_uses_the_history_the_client_sent(renderer):
+    """Turn 2's context holds turn 1 as content only (what generate sends back): its own sample."""
+    chat = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "\n\nA1", "reasoning": "\nR1\n"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "\n\nA2", "reasoning": "\nR2\n"}]
+    first, second = renderer.render(chat, max_len=4096)
+    assert renderer.tok.decode(second.ids) == (
+        "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n\n\nA1<|im_end|>\n"
+        "<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\nR2\n</think>\n\nA2<|im_end|>")
+    assert decode_masked(renderer, first) == "<think>\nR1\n</think>\n\nA1<|im_end|>"
+    assert decode_masked(renderer, second) == "<think>\nR2\n</think>\n\nA2<|im_end|>"
+
+
+def test_render_keeps_unclosed_thinking_and_truncation_as_emitted(renderer):
+    chat = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": None, "reasoning": "\nhalf"}]
+    [stopped] = renderer.render(chat, 4096)
+    [cut] = renderer.render(chat, 4096, ended=[False])
+    assert decode_masked(renderer, stopped) == "<think>\nhalf<|im_end|>"
+    assert decode_masked(renderer, cut) == "<think>\nhalf"
+
+
+def test_render_reproduces_the_tokens_the_model_emitted(renderer, vllm_server):
+    """The chat API's reasoning + content, rendered, are exactly the token ids vLLM generated."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=vllm_server.base_url + "/v1", api_key="x")
+    for question in ("What is 17 + 25?", "Reverse the word 'garden'.", "Is 48 even or odd?"):
+        messages = [{"role": "user", "content": question}]
+        chat = client.chat.completions.create(model=vllm_server.model, messages=messages, temperature=0, max_tokens=300)
+        message = chat.choices[0].message
+        assert chat.choices[0].finish_reason == "stop"
+        record = {"messages": messages + [{"role": "assistant", "content": message.content,
+                                           "reasoning": message.model_extra["reasoning"]}]}
+        [sample] = renderer.render(normalise(record), max_len=4096)
+
+        prompt = renderer.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        raw = client.completions.create(model=vllm_server.model, prompt=prompt, temperature=0, max_tokens=300,
+                                        extra_body={"return_token_ids": True})
+        prompt_ids, output_ids = raw.choices[0].model_extra["prompt_token_ids"], raw.choices[0].model_extra["token_ids"]
+        assert sample.ids == prompt_ids + output_ids
+        assert sample.mask == [0] * len(prompt_ids) + [1] * len(output_ids)
+
+
+# ---------------------------------------------------------------- target states
+
+
+def test_aux_states_are_the_inputs_of_layers_in_vllm_convention(tiny_model):
+    """id k = the residual stream entering layer k (HF hidden_states[k]); id L = the last layer's
+    output before the final norm (HF's hidden_states[L] is after it). Shifted ids would fail here."""
+    target = OnlineTargetStates(str(tiny_model), None, torch.device("cpu"), torch.float32)
+    L = target.config.num_hidden_layers
+    assert L == 2 and target.aux_layer_ids == [0, 1, 2]  # the issue's ids for the 2-layer target
+    ids = torch.tensor([[1, 276, 201, 325, 264, 364, 294, 283, 18, 33, 2, 201, 1, 275, 201, 510]])
+    states = target.states(ids, torch.ones_like(ids), [0])
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    hs, H = out.hidden_states, target.config.hidden_size
+    blocks = states.aux.split(H, dim=-1)
+    for k in range(L):
+        torch.testing.assert_close(blocks[k], hs[k], rtol=0, atol=0)
+        assert not torch.allclose(blocks[k], hs[k + 1], atol=1e-3)  # an off-by-one would match these
+    torch.testing.assert_close(blocks[L], states.last, rtol=0, atol=0)
+    assert not torch.allclose(blocks[L], hs[L], atol=1e-3)  # pre-norm, unlike HF's last entry
+    torch.testing.assert_close(target.model.base_model.norm(blocks[L]), hs[L])
+    torch.testing.assert_close(target.logits(states.last), out.logits)
+
+
+# ---------------------------------------------------------------- training and export
+
+
+def test_training_loss_falls_and_first_position_accuracy_rises(trained_run):
+    rows = metrics(trained_run)
+    assert len(rows) == 300 and [r["step"] for r in rows] == list(range(1, 301))
+    head, tail = rows[:10], rows[-10:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(tail, "loss") < 0.5 * mean(head, "loss")
+    assert mean(tail, "acc_0") > mean(head, "acc_0") + 0.3
+    assert {"acc_0", "acc_1", "acc_2", "sim_al", "tokens_per_s", "lr"} <= set(rows[-1])
+
+
+def test_export_is_exactly_what_vllm_loads(trained_run, tiny_model):
+    draft = trained_run / "draft"
+    tensors = load_file(draft / "model.safetensors")
+    assert set(tensors) == LAYER_NAMES  # full vocab: no d2t/t2d (vLLM rejects d2t then)
+    config = json.loads((draft / "config.json").read_text())
+    target = json.loads((tiny_model / "config.json").read_text())
+    H, V = target["hidden_size"], target["vocab_size"]
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert config["max_position_embeddings"] == target["max_position_embeddings"]
+    assert (config["vocab_size"], config["draft_vocab_size"], config["num_hidden_layers"]) == (V, V, 1)
+    assert tensors["fc.weight"].shape == (H, 3 * H)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (target["num_attention_heads"] * target["head_dim"], 2 * H)
+    assert tensors["lm_head.weight"].shape == (V, H)
+    card = (draft / "README.md").read_text()
+    assert str(tiny_model) in card and "| steps | 300 " in card and "simulated acceptance length" in card
+
+
+def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tiny_model, generated_data, tmp_path):
+    args = ["--steps", "60", "--save-every", "5", "--batch-tokens", "512"]
+    whole = train(tiny_model, generated_data, tmp_path / "whole", *args)
+
+    cut = tmp_path / "cut"
+    cut_args = train_args(tiny_model, generated_data, cut, *args)
+    proc = subprocess.Popen([sys.executable, str(REMOTE / "train.py"), *cut_args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (cut / "metrics.jsonl").exists() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 12:
+                break
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    interrupted_at = torch.load(cut / "checkpoint.pt", weights_only=False)["step"]
+    assert 10 <= interrupted_at < 60, "the run must be killed mid-way for this test to mean anything"
+    assert not (cut / "draft").exists()
+
+    run_script("train.py", *cut_args, "--resume")
+    a, b = load_file(whole / "draft" / "model.safetensors"), load_file(cut / "draft" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in metrics(whole)] == [r["loss"] for r in metrics(cut)]
+
+
+def test_torchrun_two_cpu_processes_train_and_export(tiny_model, generated_data, trained_run, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REMOTE / "train.py"), "--target", str(tiny_model), "--data", str(generated_data), "--out", str(out),
+           "--steps", "8", "--batch-tokens", "1024", "--ttt-steps", "3", "--lr", "1e-2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert max(r["tokens"] for r in rows) > 1024  # both ranks' batches counted: one rank holds <= 1024
+    assert result.stdout.count('"stage":"done"') == 1  # one rank reports
+    ddp = load_file(out / "draft" / "model.safetensors")
+    single = load_file(trained_run / "draft" / "model.safetensors")
+    assert {k: v.shape for k, v in ddp.items()} == {k: v.shape for k, v in single.items()}
+    assert json.loads((out / "draft" / "config.json").read_text()) == json.loads(
+        (trained_run / "draft" / "config.json").read_text())
+
+
+def test_bad_input_is_one_line_and_exit_2(tiny_model, generated_data, trained_run, tmp_path):
+    missing = run_script("train.py", "--target", tiny_model, "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "o",
+                         check=False)
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
+    assert "nope.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+    again = run_script("train.py", "--target", tiny_model, "--data", trained_run / "metrics.jsonl", "--out", trained_run,
+                       check=False)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    too_deep = run_script("train.py", "--target", tiny_model, "--data", generated_data, "--out", tmp_path / "o2",
+                          "--aux-layers", "0,1,3", check=False)
+    assert too_deep.returncode == 2 and "aux layer ids [0, 1, 3]" in too_deep.stderr
+    assert "Traceback" not in too_deep.stderr
+
+
+# ---------------------------------------------------------------- distributed
+
+PROBE = """
+import atexit, json, os, runpy, sys
+import torch, torch.distributed as dist
+
+seen = {"groups": [], "collectives": [], "model_devices": []}
+_cpu = torch.Tensor.cpu
+
+
+def cpu(self, *a, **k):  # on a CPU machine .cpu() is the tensor itself: mark it, a collective then sees the mark
+    out = _cpu(self, *a, **k)
+    out._moved_to_cpu = True
+    return out
+
+
+def watch(name, fn):
+    def wrapped(tensor, *a, **k):
+        seen["collectives"].append({"op": name, "device": str(tensor.device),
+                                    "moved_to_cpu": bool(getattr(tensor, "_moved_to_cpu", False))})
+        return fn(tensor, *a, **k)
+    return wrapped
+
+
+_init = dist.init_process_group
+
+
+def init(backend=None, *a, **k):
+    seen["groups"].append(backend)
+    return _init(backend, *a, **k)
+
+
+_ddp = torch.nn.parallel.DistributedDataParallel.__init__
+
+
+def ddp(self, module, *a, **k):
+    seen["model_devices"].append(str(next(module.parameters()).device))
+    return _ddp(self, module, *a, **k)
+
+
+torch.Tensor.cpu = cpu
+dist.init_process_group = init
+for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    setattr(dist, name, watch(name, getattr(dist, name)))
+torch.nn.parallel.DistributedDataParallel.__init__ = ddp
+atexit.register(lambda: open(os.environ["PROBE_OUT"], "w").write(json.dumps(seen)))
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def chat_rows(path, n=12):
+    """A few conversations in OpenAI `messages` form (no server needed)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"What is {i} + {i + 3}?"},
+                {"role": "assistant", "content": f"{i} + {i + 3} = {2 * i + 3}. Count on from {i}: "
+                                                 + " ".join(str(i + j) for j in range(1, 4)) + "."}]}) + "\n")
+    return path
+
+
+def test_torchrun_at_world_size_one_starts_the_group_and_reduces_on_the_models_device(tiny_model, tmp_path):
+    """What one H200 can show of the 8-GPU path: torchrun with one process still runs the process group,
+    DDP and the metrics all-reduce, and no collective is handed a tensor copied to the CPU (NCCL refuses
+    those: the first metrics all-reduce of a multi-GPU run died so)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(probe),
+           str(REMOTE / "train.py"), "--target", str(tiny_model), "--data", str(chat_rows(tmp_path / "chat.jsonl")),
+           "--out", str(tmp_path / "run"), "--steps", "3", "--batch-tokens", "512", "--ttt-steps", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PROBE_OUT": str(out)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert len(seen["groups"]) == 1 and seen["model_devices"] == ["cpu"]
+    metric_reduces = [c for c in seen["collectives"] if c["op"] == "all_reduce"]
+    assert len(metric_reduces) >= 3  # one per step
+    for c in seen["collectives"]:
+        assert c["device"] == seen["model_devices"][0] and not c["moved_to_cpu"], c
+    assert len(metrics(tmp_path / "run")) == 3
+
+
+# ---------------------------------------------------------------- the step at scale, against the plain one
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_draft_shape_flags_reach_the_exported_config(tiny_model, tmp_path):
+    out = train(tiny_model, chat_rows(tmp_path / "chat.jsonl"), tmp_path / "run", "--steps", "2", "--batch-tokens",
+                "512", "--draft-heads", "2", "--draft-kv-heads", "1", "--draft-intermediate", "96")
+    config = json.loads((out / "draft" / "config.json").read_text())
+    H = config["hidden_size"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+            config["intermediate_size"]) == (2, 1, H // 2, 96)
+    tensors = load_file(out / "draft" / "model.safetensors")
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (H, 2 * H)
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (H // 2, 2 * H)
+    assert tensors["midlayer.mlp.down_proj.weight"].shape == (H, 96)
+    assert json.loads((out / "train_plan.json").read_text())["draft"]["intermediate"] == 96
