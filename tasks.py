@@ -20,13 +20,13 @@ def hosts(c, on=None, inventory=None, json=False):
             "deps": "check the host's venv afterwards (--no-deps to skip)"})
 def deploy(c, on=None, inventory=None, dry_run=False, delete=True, deps=True):
     """Sync remote/, templates/, requirements/, examples/ to <workdir>/code (rsync; SFTP fallback)."""
-    return specops.deploy.run(select_hosts(c, inventory, on), dry_run=dry_run, delete=delete, check_deps=deps)
+    return specops.deploy.on_hosts(select_hosts(c, inventory, on), dry_run=dry_run, delete=delete, check_deps=deps)
 
 
 @task(help={**HOST_HELP, "fix": "install what is missing or mismatched, then re-check"})
 def deps(c, on=None, inventory=None, fix=False):
     """Check each host's venv (<workdir>/venv) against requirements/: packages, pip check, imports, GPUs."""
-    return specops.deps.run(select_hosts(c, inventory, on), fix=fix)
+    return specops.deps.on_hosts(select_hosts(c, inventory, on), fix=fix)
 
 
 RUN_HELP = "run id (as printed at launch; `inv status` lists them)"
@@ -81,9 +81,9 @@ def report(c, run, on=None, inventory=None, dest="artifacts"):
 def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, supervisor=None, stop=False,
           status=False, logs=False, follow=False, lines=100, json=False, extract=False, layers=None):
     """Run vLLM as a supervised service (systemd, or tmux where there is none); idempotent."""
-    return specops.serve.run(select_hosts(c, inventory, on), wait=wait, timeout=timeout, restart=restart,
-                             supervisor=supervisor, stop_service=stop, show_status=status, show_logs=logs,
-                             follow=follow, lines=lines, as_json=json, extract=extract, layers=layers)
+    return specops.serve.on_hosts(select_hosts(c, inventory, on), wait=wait, timeout=timeout, restart=restart,
+                                 supervisor=supervisor, stop_service=stop, show_status=status, show_logs=logs,
+                                 follow=follow, lines=lines, as_json=json, extract=extract, layers=layers)
 
 
 @task(help={"on": "the host whose vLLM to reach", "inventory": HOST_HELP["inventory"],
@@ -172,5 +172,5 @@ def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n
 def demo(c, on=None, inventory=None, rows=200, train_steps=300, eval_n=30, fresh=False, dest="artifacts"):
     """The whole pipeline on this machine, CPU only: deps, tiny model, serve, generate, train, eval, pull."""
     (host,) = select_hosts(c, inventory, on)[:1]
-    return demo_mod.run(host, rows=int(rows), train_steps=int(train_steps), eval_n=int(eval_n), fresh=fresh,
-                        dest=dest)
+    return demo_mod.pipeline(host, rows=int(rows), train_steps=int(train_steps), eval_n=int(eval_n), fresh=fresh,
+                             dest=dest)

@@ -33,7 +33,7 @@ class Stages:
     def __init__(self, out):
         self.out, self.rows = out, []
 
-    def run(self, name: str, body, run_id: str | None = None):
+    def stage(self, name: str, body, run_id: str | None = None):
         print(f"\n=== {name} ===", file=self.out, flush=True)
         start = time.monotonic()
         figure = body()
@@ -50,7 +50,7 @@ class Stages:
                 for r in self.rows]
 
 
-def run(host: Host, *, rows: int = 200, train_steps: int = 300, eval_n: int = 30, fresh: bool = False,
+def pipeline(host: Host, *, rows: int = 200, train_steps: int = 300, eval_n: int = 30, fresh: bool = False,
         dest: str = "artifacts", out=None) -> int:
     out = out or sys.stdout
     if not host.is_local:
@@ -68,17 +68,17 @@ def run(host: Host, *, rows: int = 200, train_steps: int = 300, eval_n: int = 30
         check(code, what)
         return "ok"
 
-    stages.run("deploy + deps", lambda: check_ok(deploy.run(hosts), "deploy + deps"))
+    stages.stage("deploy + deps", lambda: check_ok(deploy.on_hosts(hosts), "deploy + deps"))
     with connect(host) as session:
-        stages.run("tiny model", lambda: _tiny_model(session, out))
-    stages.run("serve --wait", lambda: check_ok(serve.run(hosts, wait=True, timeout=900), "serve"))
+        stages.stage("tiny model", lambda: _tiny_model(session, out))
+    stages.stage("serve --wait", lambda: check_ok(serve.on_hosts(hosts, wait=True, timeout=900), "serve"))
     try:
-        stages.run("generate", lambda: _generate(hosts, rows, fresh, check, out), "demo-generate")
-        stages.run("train", lambda: _train(hosts, train_steps, fresh, check, out), "demo-train")
-        stages.run("eval", lambda: _eval(hosts, eval_n, fresh, dest, check, out), "demo-eval")
-        stages.run("pull", lambda: _pull(hosts, dest, check, out))
+        stages.stage("generate", lambda: _generate(hosts, rows, fresh, check, out), "demo-generate")
+        stages.stage("train", lambda: _train(hosts, train_steps, fresh, check, out), "demo-train")
+        stages.stage("eval", lambda: _eval(hosts, eval_n, fresh, dest, check, out), "demo-eval")
+        stages.stage("pull", lambda: _pull(hosts, dest, check, out))
     finally:
-        stages.run("stop service", lambda: check_ok(serve.run(hosts, stop_service=True), "stop"))
+        stages.stage("stop service", lambda: check_ok(serve.on_hosts(hosts, stop_service=True), "stop"))
     print("\n=== summary ===", file=out)
     fanout.print_table(stages.summary(dest, host.name), out=out)
     print(f"total {sum(r['seconds'] for r in stages.rows):.0f} s; artifacts in {Path(dest).resolve()}/"

@@ -95,13 +95,13 @@ def _never(name: str) -> bool:
     return False
 
 
-def run(hosts, *, dry_run: bool = False, delete: bool = True, check_deps: bool = True) -> int:
+def on_hosts(hosts, *, dry_run: bool = False, delete: bool = True, check_deps: bool = True) -> int:
     """`inv deploy`: sync every host in parallel, one summary row each, then check their venvs."""
     outcomes = fanout.each(hosts, lambda s: _deploy_row(s, delete=delete, dry_run=dry_run))
     code = fanout.report(outcomes)
     if check_deps and not dry_run:
         synced = [o.host for o in outcomes if o.ok]
-        code = max(code, deps.run(synced) if synced else 0)
+        code = max(code, deps.on_hosts(synced) if synced else 0)
     return code
 
 

@@ -75,7 +75,7 @@ def problems(report: dict) -> list[str]:
     return found
 
 
-def run(hosts, *, fix: bool = False) -> int:
+def on_hosts(hosts, *, fix: bool = False) -> int:
     outcomes = fanout.each(hosts, check, fix=fix)
     for o in outcomes:
         details = o.row.pop("details", [])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import re
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -94,49 +94,52 @@ _str_list.expected = "a list of strings"
 _str_map.expected = "a mapping of NAME: value"
 _gpus.expected = "GPU indices like '0,1,2,3'"
 
-# key -> (check, default). None default = unset. Documented in README's inventory reference.
-KEYS: dict[str, tuple[Callable[[Any], bool], Any]] = {
-    # how to reach the host
-    "ansible_host": (_word, None),  # address; default: the host's name
-    "ansible_user": (_word, None),  # default: ssh_config / current user
-    "ansible_port": (_port, 22),
-    "ansible_ssh_private_key_file": (_str, None),
-    "ansible_connection": (_one_of("ssh", "local"), "ssh"),
-    "known_hosts": (_str, None),  # extra known_hosts file, besides the system ones
-    "private_address": (_word, None),  # where the group's other hosts reach this one; default: ansible_host
-    # where and with what specops works there
-    "workdir": (_str, "~/specops"),
-    "python": (_str, "python3"),
-    "flavor": (_one_of("gpu", "cpu"), "gpu"),
-    "supervisor": (_one_of("auto", "systemd", "tmux"), "auto"),
-    # the served model
-    "model": (_str, None),
-    "served_model_name": (_str, None),
-    "bind": (_str, "127.0.0.1"),
-    "port": (_port, 8000),
-    "tp": (_int, 1),
-    "gpus": (_gpus, None),
-    "reasoning_parser": (_str, None),
-    "max_model_len": (_int, None),
-    "vllm_args": (_str_list, []),
-    "env": (_str_map, {}),
-}
-PATH_KEYS = ("ansible_ssh_private_key_file", "known_hosts")
+def _setting(check: Callable[[Any], bool], default: Any = None):
+    """A host setting (a field of Host): how its value is checked, and its default (None: unset)."""
+    return field(init=False, compare=False, repr=False, metadata={"check": check, "default": default})
 
 
 @dataclass(frozen=True)
 class Host:
-    """One host and its merged settings (all.vars < group vars < host vars)."""
+    """One host and its merged settings (all.vars < group vars < host vars), each a field below.
+
+    The settings are the inventory's keys, documented in README's inventory reference.
+    """
 
     name: str
     groups: tuple[str, ...]
-    vars: dict = field(compare=False, hash=False)
+    vars: dict = field(compare=False, hash=False, repr=False)
+    # how to reach the host
+    ansible_host: str | None = _setting(_word)  # address; default: the host's name
+    ansible_user: str | None = _setting(_word)  # default: ssh_config / current user
+    ansible_port: int = _setting(_port, 22)
+    ansible_ssh_private_key_file: str | None = _setting(_str)
+    ansible_connection: str = _setting(_one_of("ssh", "local"), "ssh")
+    known_hosts: str | None = _setting(_str)  # extra known_hosts file, besides the system ones
+    private_address: str | None = _setting(_word)  # where the group's other hosts reach this one; default: ansible_host
+    # where and with what specops works there
+    workdir: str = _setting(_str, "~/specops")
+    python: str = _setting(_str, "python3")
+    flavor: str = _setting(_one_of("gpu", "cpu"), "gpu")
+    supervisor: str = _setting(_one_of("auto", "systemd", "tmux"), "auto")
+    # the served model
+    model: str | None = _setting(_str)
+    served_model_name: str | None = _setting(_str)
+    bind: str = _setting(_str, "127.0.0.1")
+    port: int = _setting(_port, 8000)
+    tp: int = _setting(_int, 1)
+    gpus: str | None = _setting(_gpus)
+    reasoning_parser: str | None = _setting(_str)
+    max_model_len: int | None = _setting(_int)
+    vllm_args: tuple[str, ...] = _setting(_str_list, ())
+    env: dict = _setting(_str_map, {})
 
-    def __getattr__(self, key):
-        if key in KEYS:
-            value = self.vars.get(key, KEYS[key][1])
-            return list(value) if isinstance(value, list) else value
-        raise AttributeError(key)
+    def __post_init__(self):
+        for key, (_, default) in KEYS.items():
+            value = self.vars.get(key, default)
+            if isinstance(value, (list, dict)):  # a host's own copy, never the shared default
+                value = tuple(value) if isinstance(value, list) else dict(value)
+            object.__setattr__(self, key, value)
 
     @property
     def is_local(self) -> bool:
@@ -145,6 +148,12 @@ class Host:
     @property
     def address(self) -> str:
         return self.vars.get("ansible_host") or self.name
+
+
+# key -> (check, default), from Host's fields: the one list of inventory keys.
+KEYS: dict[str, tuple[Callable[[Any], bool], Any]] = {
+    f.name: (f.metadata["check"], f.metadata["default"]) for f in fields(Host) if "check" in f.metadata}
+PATH_KEYS = ("ansible_ssh_private_key_file", "known_hosts")
 
 
 @dataclass

@@ -259,7 +259,7 @@ class Redacting(io.TextIOBase):
         self.out.flush()
 
 
-def run(hosts, *, wait=False, timeout=3600.0, restart=False, supervisor=None, stop_service=False,
+def on_hosts(hosts, *, wait=False, timeout=3600.0, restart=False, supervisor=None, stop_service=False,
         show_status=False, show_logs=False, follow=False, lines=100, as_json=False, extract=False,
         layers=None) -> int:
     """`inv serve` on the selected hosts, in parallel, one result row each; the exit code."""
