@@ -269,7 +269,8 @@ def test_draft_from_vllm_shards_accepts_like_the_online_one(tiny_model, generate
     dozens of steps; then that rounding-level difference grows as any perturbation does in training,
     and each run ends in a different, equally good draft, as different seeds do. Measured on five
     seeds each: online AL 3.299 ± 0.049, from shards 3.272 ± 0.031, per-seed differences -0.04..+0.07.
-    Hence the mechanism is checked exactly (the shared loss curve) and AL on the mean of two seeds.
+    Hence the mechanism is checked exactly (the shared loss curve), and AL of one seed each within 0.15,
+    twice the widest per-seed difference seen (a shifted or wrong state costs well over 1).
     """
     run = train(tiny_model, generated_data, tmp_path / "s0", "--states", tiny_shards)
     online, shards = metrics(trained_run), metrics(run)
@@ -280,16 +281,11 @@ def test_draft_from_vllm_shards_accepts_like_the_online_one(tiny_model, generate
     config = json.loads((run / "draft" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == plan(tiny_shards)["aux_layer_ids"] == [0, 1, 2]
 
-    drafts = {"online": [train(tiny_model, generated_data, tmp_path / "o1", "--seed", "1")],
-              "shards": [run, train(tiny_model, generated_data, tmp_path / "s1", "--states", tiny_shards,
-                                    "--seed", "1")]}
-    al = {kind: [evaluate(tiny_model, d / "draft", heldout_prompts, tmp_path / f"{kind}{i}.json",
-                          "--no-baseline")["acceptance_length"] for i, d in enumerate(runs)]
-          for kind, runs in drafts.items()}
-    al["online"].insert(0, trained_run_report["acceptance_length"])  # trained_run (seed 0), measured once a session
-    online_al, shards_al = (sum(v) / len(v) for v in (al["online"], al["shards"]))
-    print(f"AL online {al['online']} from vLLM shards {al['shards']}; loss curves within {early:.1e} for 30 steps")
-    assert online_al > 2.0 and abs(online_al - shards_al) <= 0.1
+    online_al = trained_run_report["acceptance_length"]  # trained_run (seed 0), measured once a session
+    shards_al = evaluate(tiny_model, run / "draft", heldout_prompts, tmp_path / "shards.json",
+                         "--no-baseline")["acceptance_length"]
+    print(f"AL online {online_al} from vLLM shards {shards_al}; loss curves within {early:.1e} for 30 steps")
+    assert online_al > 2.0 and abs(online_al - shards_al) <= 0.15
 
     r = run_script("train.py", "--target", tiny_model, "--data", subset(generated_data, 10, tmp_path / "d.jsonl"),
                    "--out", tmp_path / "other", "--states", tiny_shards, check=False)
