@@ -70,20 +70,21 @@ def run_output(session: Session, value: str, leaf: str) -> str:
 
 # ---------------------------------------------------------------- generate
 
+def generate_argv(session: Session, *, n=None, dataset=None, out=".", part=None, extra=()) -> list[str]:
+    """remote/generate.py's command on this host; ``part``: its shard of the group's rows (the plan's, last,
+    so it wins over one passed after ``--``)."""
+    a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session)]
+    a += (["--dataset", dataset_arg(session, dataset)] if dataset else []) + (["--n", str(n)] if n else [])
+    return script(session, "generate.py") + a + ["--out", out, *extra] + (["--shard", part] if part else [])
+
+
 def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=False, extra=(), on=None,
              out=None) -> tuple[str | None, int]:
     """Check each host's server and dataset, then start one sharded generate run per host."""
-    extra = list(extra)
-
-    def args(session: Session) -> list[str]:
-        a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session)]
-        if dataset:
-            a += ["--dataset", dataset_arg(session, dataset)]
-        return a + (["--n", str(n)] if n else [])
 
     def preflight(session: Session) -> dict:
         # like the run itself, read the key from the service's env file (never a command line)
-        argv = script(session, "generate.py") + args(session) + ["--out", "/nonexistent", "--check"]
+        argv = generate_argv(session, n=n, dataset=dataset, out="/nonexistent", extra=["--check"])
         env_file = Layout(session.workdir).env_file
         r = session.sh(shlex.join(["bash", code(session, "remote/with_env.sh"), env_file, *argv]), check=False,
                        timeout=300)
@@ -101,9 +102,7 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
         plan = plans.first_plan([h.name for h in hosts])
 
     def argv(session: Session, index: int, count: int) -> list[str]:
-        part = plan.get(session.host.name)
-        shard = ["--shard", part] if part else []
-        return script(session, "generate.py") + args(session) + ["--out", ".", *extra, *shard]
+        return generate_argv(session, n=n, dataset=dataset, part=plan.get(session.host.name), extra=extra)
 
     run_id, rc = runs.launch_on(hosts, "generate", argv, name=name, resume=resume, plan=plan, on=on, out=out)
     if rc == 0 and follow:
@@ -150,6 +149,17 @@ def replan_generate(hosts, run_id: str, preflight, out=None) -> tuple[list, dict
 
 # ---------------------------------------------------------------- extract
 
+def extract_argv(session: Session, *, data, layers=None, scratch_gb=None, stream=False, extra=()) -> list[str]:
+    """remote/extract.py's command on the serving host: its vLLM, the storage vLLM writes states to."""
+    a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session),
+         "--storage", Layout(session.workdir).states_dir, "--target", model_path(session), "--out", "."]
+    for d in data:
+        a += ["--data", run_output(session, d, "data.jsonl")]
+    a += (["--layers", layers] if layers else []) + (["--scratch-gb", str(scratch_gb)] if scratch_gb else [])
+    return script(session, "extract.py") + a + (["--stream"] if stream else []) + trust_remote_code(session) \
+        + list(extra)
+
+
 def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=None, resume=False, follow=False,
             extra=(), on=None, out=None) -> tuple[str | None, int]:
     """Target hidden states from the host's own vLLM (served with ``inv serve --extract``) into shards.
@@ -162,13 +172,7 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
         raise SpecopsError(f"extract runs on one serving host; --on selects {len(hosts)}", exit_code=2)
 
     def argv(session: Session, index: int, count: int) -> list[str]:
-        a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session),
-             "--storage", Layout(session.workdir).states_dir, "--target", model_path(session), "--out", "."]
-        for d in data:
-            a += ["--data", run_output(session, d, "data.jsonl")]
-        a += (["--layers", layers] if layers else []) + (["--scratch-gb", str(scratch_gb)] if scratch_gb else [])
-        return script(session, "extract.py") + a + (["--stream"] if stream else []) + trust_remote_code(session) \
-            + list(extra)
+        return extract_argv(session, data=data, layers=layers, scratch_gb=scratch_gb, stream=stream, extra=extra)
 
     run_id, rc = runs.launch_on(hosts, "extract", argv, name=name, resume=resume, on=on, out=out)
     if rc == 0 and follow:
@@ -177,6 +181,31 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
 
 
 # ---------------------------------------------------------------- train
+
+def train_argv(session: Session, index: int, count: int, *, data, nproc: int, grouped: bool = False, states=None,
+               stream=False, steps=None, epochs=None, extra=(), master=None, port=TORCHRUN_PORT, run_id=None,
+               rendezvous_timeout=group.RENDEZVOUS_TIMEOUT) -> list[str]:
+    """remote/train.py's command on host ``index`` of ``count``: plain Python for one host without GPUs,
+    torchrun with one process per GPU (``nproc``) otherwise, behind the master check in a group."""
+    a = ["--target", model_path(session), "--out", "."]
+    for d in data:
+        a += ["--data", group.shipped_path(session, d) if grouped and is_run_id(d)
+              else run_output(session, d, "data.jsonl")]
+    if states:
+        a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
+    a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
+    a += trust_remote_code(session) + list(extra)
+    if count == 1 and not nproc:
+        return script(session, "train.py") + a
+    if grouped:
+        return group.node_argv(session.venv_python, code(session, "remote/torchrun_node.py"),
+                               code(session, "remote/train.py"), a, nnodes=count, node_rank=index,
+                               nproc=nproc or 1, master_addr=master, master_port=port, run_id=run_id,
+                               rendezvous_timeout=rendezvous_timeout)
+    launcher = [session.venv_python, "-m", "torch.distributed.run", f"--nnodes={count}", f"--node-rank={index}",
+                f"--nproc-per-node={nproc or 1}", f"--master-addr={master}", f"--master-port={port}"]
+    return launcher + [code(session, "remote/train.py")] + a
+
 
 def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, follow=False, gpus=0, extra=(),
           on=None, out=None, states=None, stream=False,
@@ -198,26 +227,10 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
     master = group.master_address(hosts[0])
 
     def argv(session: Session, index: int, count: int) -> list[str]:
-        a = ["--target", model_path(session), "--out", "."]
-        for d in data:
-            a += ["--data", group.shipped_path(session, d) if grouped and is_run_id(d)
-                  else run_output(session, d, "data.jsonl")]
-        if states:
-            a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
-        a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
-        a += trust_remote_code(session)
-        nproc = gpus or host_gpu_count(session)  # every GPU the host has, one torchrun process each
-        if count == 1 and not nproc:
-            return script(session, "train.py") + a + list(extra)
-        if grouped:
-            return group.node_argv(session.venv_python, code(session, "remote/torchrun_node.py"),
-                                   code(session, "remote/train.py"), a + list(extra), nnodes=count, node_rank=index,
-                                   nproc=nproc or 1, master_addr=master, master_port=port, run_id=run_id,
-                                   rendezvous_timeout=rendezvous_timeout)
-        launcher = [session.venv_python, "-m", "torch.distributed.run", f"--nnodes={count}",
-                    f"--node-rank={index}", f"--nproc-per-node={nproc or 1}", f"--master-addr={master}",
-                    f"--master-port={TORCHRUN_PORT}"]
-        return launcher + [code(session, "remote/train.py")] + a + list(extra)
+        return train_argv(session, index, count, data=data, nproc=gpus or host_gpu_count(session), grouped=grouped,
+                          states=states, stream=stream, steps=steps, epochs=epochs, extra=extra, master=master,
+                          port=port if grouped else TORCHRUN_PORT, run_id=run_id,
+                          rendezvous_timeout=rendezvous_timeout)
 
     run_id = runs.check_run_id(name or runs.new_run_id("train"))
     run_id, rc = runs.launch_on(hosts, "train", argv, name=run_id, resume=resume, on=on, out=out)
@@ -256,19 +269,24 @@ def train_plan(hosts, *, gpus=0, states=None, extra=(), out=None) -> int:
 
 # ---------------------------------------------------------------- eval
 
+def eval_argv(session: Session, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, extra=()) -> list[str]:
+    """remote/eval.py's command; its servers are started like the host's own (parallelism, context, vllm_args)."""
+    host = session.host
+    shape = (["--tensor-parallel-size", str(host.tp)] if host.tp > 1 else []) + [str(a) for a in host.vllm_args]
+    return script(session, "eval.py") + [
+        "--target", model_path(session), "--draft", run_output(session, draft, "draft"),
+        "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k), "--json", "report.json",
+        *(["--max-model-len", str(host.max_model_len)] if host.max_model_len else []),
+        *[f"--vllm-arg={a}" for a in shape], *extra]
+
+
 def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, name=None, dest="artifacts", extra=(),
              on=None, out=None) -> tuple[str | None, int, dict]:
     """Measure a draft's acceptance length on each host's own target; waits, pulls, prints the report."""
     out = out or sys.stdout
 
     def argv(session: Session, index: int, count: int) -> list[str]:
-        host = session.host  # eval's servers are started like the host's own: parallelism, context, vllm_args
-        shape = (["--tensor-parallel-size", str(host.tp)] if host.tp > 1 else []) + [str(a) for a in host.vllm_args]
-        return script(session, "eval.py") + [
-            "--target", model_path(session), "--draft", run_output(session, draft, "draft"),
-            "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k), "--json", "report.json",
-            *(["--max-model-len", str(host.max_model_len)] if host.max_model_len else []),
-            *[f"--vllm-arg={a}" for a in shape], *extra]
+        return eval_argv(session, draft=draft, prompts=prompts, n=n, k=k, extra=extra)
 
     run_id, rc = runs.launch_on(hosts, "eval", argv, name=name, on=on, out=out)
     if rc:
