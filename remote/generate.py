@@ -46,7 +46,7 @@ from datasets_io import (DatasetError, RowError, UnreadableRow, open_rows, promp
 from endpoints import EndpointPool, Failure, backoff_s, classify
 import report
 from run_files import RunDirError, RunFiles
-from script import PROGRESS_EVERY_S, progress
+from script import PROGRESS_EVERY_S, progress, shard_spec
 
 ROW_RETRY_BASE_S, ROW_RETRY_CAP_S = 1.0, 60.0
 READ_BATCH = 256  # rows per hop to the reader thread; the first batch decides the shape
@@ -62,7 +62,7 @@ def parse_args(argv=None):
                     help="hub dataset name, or a local .jsonl/.json/.parquet file or directory")
     ap.add_argument("--split", default="train")
     ap.add_argument("--n", type=positive_int, help="use the first N rows (counted before sharding)")
-    ap.add_argument("--shard", type=shard_spec, default=((0, 1),), metavar="I/K",
+    ap.add_argument("--shard", type=shard_arg, default=((0, 1),), metavar="I/K",
                     help="take the rows whose index mod K == I (several I/K joined by ',': any of them)")
     ap.add_argument("--shuffle", action="store_true", help="shuffle rows (buffered, seeded)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed")
@@ -102,18 +102,11 @@ def positive_int(text):
     return value
 
 
-def shard_spec(text):
-    """"I/K" (rows whose index mod K == I), several joined by "," -> ((I, K), ...)."""
-    pairs = []
-    for part in text.split(","):
-        try:
-            index, count = (int(p) for p in part.split("/"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected I/K[,I/K...], got {text!r}") from None
-        if not 0 <= index < count:
-            raise argparse.ArgumentTypeError(f"need 0 <= I < K, got {text!r}")
-        pairs.append((index, count))
-    return tuple(pairs)
+def shard_arg(text):
+    try:
+        return shard_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def sampling_params(args):

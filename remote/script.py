@@ -1,15 +1,31 @@
-"""What every remote script shares: the one-line refusal and the machine progress line.
+"""What every remote script shares: the one-line refusal, the machine progress line, the shard spec.
 
 A script raises :class:`Refused` for bad input or state; :func:`main_of` turns it into one line on
 stderr and exit code 2, never a traceback. :func:`progress` prints the ``specops-progress {json}``
-line that the laptop's watcher (specops.progress) reads from the run's log.
+line that the laptop's watcher (specops.progress) reads from the run's log. :func:`shard_spec` is the
+one reading of a shard spec: generate.py's ``--shard``, the laptop's row plans (specops.plan, through
+specops.shared) and what a host's meta.json claims (specops.pull). Stdlib only, for that reason.
 """
 import json
 import os
+import re
 import sys
 
 PROGRESS_PREFIX = "specops-progress "
 PROGRESS_EVERY_S = 5.0  # seconds between progress lines while a script works
+
+
+# "I/K" pairs joined by ","; bounded, as a host's meta.json is read through it
+SHARD_SPEC = re.compile(r"\d{1,6}/\d{1,6}(,\d{1,6}/\d{1,6}){0,255}")
+
+
+def shard_spec(text) -> tuple[tuple[int, int], ...]:
+    """"I/K" (rows whose index mod K == I), several joined by "," -> ((I, K), ...); ValueError otherwise."""
+    pairs = tuple(tuple(map(int, p.split("/"))) for p in text.split(",")) \
+        if isinstance(text, str) and SHARD_SPEC.fullmatch(text) else ()
+    if not pairs or any(i >= k for i, k in pairs):
+        raise ValueError(f"shard spec {text!r:.60}: need I/K with 0 <= I < K, several joined by ','")
+    return pairs
 
 
 class Refused(Exception):

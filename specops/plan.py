@@ -16,19 +16,19 @@ import math
 from functools import reduce
 
 from .errors import SpecopsError
+from .shared import remote_module
+
+_script = remote_module("script")
 
 Spec = tuple[tuple[int, int], ...]  # ((I, K), ...): rows whose index mod K == I for some pair
 
 
 def parse_spec(text: str) -> Spec:
-    """``"0/3,1/6"`` -> ((0, 3), (1, 6)); SpecopsError on anything else."""
-    pairs = []
-    for part in str(text).split(","):
-        i, _, k = part.strip().partition("/")
-        if not (i.isdigit() and k.isdigit() and 0 <= int(i) < int(k)):
-            raise SpecopsError(f"shard spec {text!r}: use I/K with 0 <= I < K, several joined by ','", exit_code=2)
-        pairs.append((int(i), int(k)))
-    return tuple(pairs)
+    """``"0/3,1/6"`` -> ((0, 3), (1, 6)); SpecopsError on anything else (remote/script.py's reading)."""
+    try:
+        return _script.shard_spec(text)
+    except ValueError as e:
+        raise SpecopsError(str(e), exit_code=2) from None
 
 
 def format_spec(spec: Spec) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -56,7 +55,6 @@ _NEWEST = """
 cd {runs} 2>/dev/null || exit 0
 for m in */meta.json; do stat --printf '%Y %n\\0' -- "$m" 2>/dev/null; done
 """
-SHARD_SPEC = re.compile(r"^\d{1,6}/\d{1,6}(,\d{1,6}/\d{1,6}){0,255}$")  # "I/K" pairs (specops.plan); bounded
 
 
 def pull(hosts: list[Host], run_id: str | None = None, dest: str = "artifacts", out=None) -> int:
@@ -116,8 +114,9 @@ def shard_of(meta_text: str, what: str) -> str | None:
     shard = meta.get("shard")
     if shard is None:
         return None
-    pairs = [p.split("/") for p in shard.split(",")] if isinstance(shard, str) and SHARD_SPEC.match(shard) else []
-    if not pairs or any(int(i) >= int(k) for i, k in pairs):
+    try:
+        plans.parse_spec(shard)
+    except SpecopsError:
         raise HostError(f"{what}: shard {shard!r:.60} is not a shard spec (I/K with 0 <= I < K, several joined by ',')")
     return shard
 

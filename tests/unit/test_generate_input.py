@@ -60,7 +60,7 @@ def test_missing_dataset_is_one_clear_line(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--shard", "2/2"], "need 0 <= I < K"),
+    (["--shard", "2/2"], "need I/K with 0 <= I < K"),
     (["--resume"], "holds no data.jsonl to resume"),
     (["--concurrency", "0"], "must be at least 1"),
 ])
