@@ -31,3 +31,12 @@ def test_the_two_commands_and_ci():
     assert (REPO / ".ci/run").read_text().strip().endswith("exec ./scripts/test")
     for script in ("scripts/demo", "scripts/test", "scripts/setup"):
         assert (REPO / script).stat().st_mode & 0o111
+
+
+def test_the_layout_section_names_every_module():
+    """README's "How the code is laid out" says what each module owns: a module added or renamed shows here."""
+    section = README.split("## How the code is laid out", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)(?:\.py|\.sh)?`", section))
+    for folder in ("specops", "remote"):
+        modules = {p.stem for p in (REPO / folder).iterdir() if p.suffix in (".py", ".sh") and p.stem != "__init__"}
+        assert modules <= named, f"README's layout section does not name {sorted(modules - named)} ({folder}/)"
