@@ -11,7 +11,13 @@ Here each anchor (a slot t with all k steps loss-masked) gets its chain:
              vLLM would have fed after accepting step i-1;
     length = 1 + sum_j prod_{i<=j} hit_i,
 
-and the prediction is the mean over anchors. Pure torch, no project imports (remote/ rule).
+and the prediction averages them the way vLLM does (:func:`walk`): not over every anchor, but along
+the walk serving takes through each answer. Token c (the answer's first) comes from the prefill; the
+first draft is anchored at slot c-1; a draft anchored at t yields L[t] tokens (accepted + bonus) and the
+next is anchored at t + L[t], so the anchor after a miss is the hard spot itself, and an easy run is
+visited once, not at every slot; the answer's end caps the last chain. vLLM's AL is tokens / drafts
+along that walk. The mean over all anchors (``sim_al_anchors``) is kept for comparison: where misses
+cluster (the digits of a number) it is the higher of the two. Pure torch, no project imports.
 """
 import torch
 
@@ -44,11 +50,32 @@ def follows_target(input_ids: torch.Tensor, target_top: torch.Tensor, k: int) ->
     return out
 
 
-def batch_chains(objective, input_ids: torch.Tensor, k: int) -> tuple[float, int]:
-    """(sum of anchors' accepted lengths, number of anchors) for one batch, from the hit maps the
-    objective recorded (objective.hit_maps / valid_maps: [B, T] bool per step)."""
+def walk(lengths: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
+    """(tokens, drafts) along vLLM's greedy walk through each run of loss tokens (one answer).
+
+    lengths [B, T]: the chain length of a draft anchored at each slot (1 + hits until the first miss,
+    zero hits where a step is not scored, so an answer's end caps it); loss_mask [B, T].
+    """
+    tokens = drafts = 0
+    lengths, mask = lengths.long().cpu(), loss_mask.int().cpu()
+    edges = torch.diff(torch.nn.functional.pad(mask, (1, 1)), dim=1)  # +1 where an answer starts, -1 after it ends
+    for b in range(mask.shape[0]):
+        starts, stops = (edges[b] == 1).nonzero().flatten().tolist(), (edges[b] == -1).nonzero().flatten().tolist()
+        row = lengths[b].tolist()
+        for start, stop in zip(starts, stops):
+            produced, anchor = 1, start - 1  # the answer's first token is the prefill's
+            while produced < stop - start and anchor >= 0:
+                step = row[anchor]
+                tokens, drafts, produced, anchor = tokens + step, drafts + 1, produced + step, anchor + step
+    return tokens, drafts
+
+
+def batch_chains(objective, input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[float, ...]:
+    """(sum of every anchor's accepted length, number of anchors, tokens and drafts along vLLM's walk) for
+    one batch, from the hit maps the objective recorded (objective.hit_maps / valid_maps: [B, T] per step)."""
     hits = torch.stack([objective.hit_maps[i] for i in range(k)])
     valid = torch.stack([objective.valid_maps[i] for i in range(k)])
     hits = hits & follows_target(input_ids, objective.target_top.view(input_ids.shape), k)
     lengths = chain_lengths(hits.flatten(1), valid.flatten(1))
-    return float(lengths.sum()), int(lengths.numel())
+    tokens, drafts = walk(1 + (hits & valid).long().cumprod(0).sum(0), loss_mask)
+    return float(lengths.sum()), float(lengths.numel()), float(tokens), float(drafts)

@@ -453,7 +453,8 @@ def main(argv=None):
             dist.all_reduce(totals)  # on the model's device: the group's NCCL side refuses CPU tensors
         totals = totals.cpu()
         k = args.ttt_steps
-        chains = torch.tensor(acceptance.batch_chains(objective, input_ids, k), dtype=torch.float64, device=device)
+        chains = torch.tensor(acceptance.batch_chains(objective, input_ids, loss_mask, k), dtype=torch.float64,
+                              device=device)
         if distributed:
             dist.all_reduce(chains)
         acc = (totals[1 : 1 + k] / totals[1 + k : 1 + 2 * k].clamp(min=1)).tolist()
@@ -461,7 +462,8 @@ def main(argv=None):
         tokens_seen += tokens
         metrics = {"step": step + 1, "epoch": epoch, "loss": round(totals[0].item() / world, 5),
                    **{f"acc_{i}": round(a, 4) for i, a in enumerate(acc)},
-                   "sim_al": round(chains[0].item() / max(1.0, chains[1].item()), 4),  # acceptance.py's chains
+                   "sim_al": round(chains[2].item() / max(1.0, chains[3].item()), 4),  # acceptance.py: vLLM's walk
+                   "sim_al_anchors": round(chains[0].item() / max(1.0, chains[1].item()), 4),
                    "sim_al_indep": round(simulated_acceptance(acc), 4),
                    "tokens_per_s": round(tokens / (time.monotonic() - step_t0), 1),
                    "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}

@@ -33,3 +33,14 @@ def test_a_step_fed_a_token_serving_would_not_feed_ends_the_chain():
     assert follows[0].all()
     assert follows[1, 0, :4].tolist() == [True, False, True, True]  # slot 1: data token 3 vs argmax at 2
     assert follows[2, 0, :3].tolist() == [False, True, True]  # slot 0: data token 3 vs argmax at 2
+
+
+def test_the_prediction_walks_each_answer_as_vllm_does():
+    # One answer at slots 2..9 (token 2 from the prefill). Chains by anchor: easy (4) except at 5 (a miss).
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])
+    lengths = torch.tensor([[1, 4, 4, 4, 4, 1, 4, 4, 4, 4, 1, 1]])
+    # drafts at 1 (4 tokens: 3..6), 5 (a miss: 1 token, 7), 6 (4 tokens: 8..11, past the end): 9 tokens, 3 drafts
+    assert acceptance.walk(lengths, mask) == (9, 3)
+    # every anchor counted alike says (7 * 4 + 1) / 8 = 3.625 for the same answer; the walk 3.0
+    two = torch.cat([mask, torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]])])  # a row whose answer starts at 0
+    assert acceptance.walk(torch.cat([lengths, lengths]), two) == (9, 3)  # no slot before it: no draft counted
