@@ -4,7 +4,14 @@
 the loop that tells a race fixed from a race missed by luck (issue 18), e.g.
 `pytest --repeat 10 tests/host/test_runs.py`.
 """
+import signal
+
 import pytest
+
+# A shell's `cmd &` starts cmd with SIGINT ignored, and children inherit that: the tests that press Ctrl-C
+# on `inv logs --follow` or `inv tunnel` would then wait forever. A Python handler is reset to the
+# default in every child, so Ctrl-C reaches them however the suite was started.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 pytest_plugins = ["tests.helpers.fixtures_hosts", "tests.helpers.fixtures_vllm", "tests.helpers.fixtures_train"]
 
