@@ -12,7 +12,7 @@ ttt_objective.py) keeps: per token, the inputs (ids, the aux and last states, th
 logits over the draft vocabulary) and, for each TTT step, its output state, keys and values
 (the step itself is checkpointed); plus one step's recomputed activations while its backward
 runs (its saved tensors, and their gradients: BACKWARD_FACTOR, measured on the CPU). The
-loss and vocabulary chunks cost a fixed amount, not per token. tests/unit/test_train_parts.py checks
+loss and vocabulary chunks cost a fixed amount, not per token. tests/torch/test_memory_plan.py checks
 the per-token figure against the peak RSS of real steps at a reduced width (within 25 %).
 
 Speed: FLOPs of forward + backward + the checkpoint's recomputation, at an assumed

@@ -1,14 +1,11 @@
-"""The trainer's parts that need no target: the exported tensor set, the memory-lean step against a plain
-one, and the memory plan (Kimi-K2 on 8×H200/8×H100, a batch too big, activation bytes against a
-measurement).
-"""
-import json
+"""The trainer's parts that need no target: the exported tensor set, and the memory-lean step against a
+plain one. The memory plan is tested in tests/torch/test_memory_plan.py."""
 import sys
 
 import pytest
 import torch
 
-from tests.helpers.fixtures_train import LAYER_NAMES, REMOTE, ROOT, run_script
+from tests.helpers.fixtures_train import LAYER_NAMES, REMOTE
 from tests.helpers.plain_step import reference_step
 
 sys.path.insert(0, str(REMOTE))
@@ -82,68 +79,3 @@ def test_memory_lean_step_has_the_plain_steps_loss_and_gradients():
         got = dict(draft.named_parameters())[name].grad
         assert g.abs().max() > 0, name
         torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-
-
-KIMI_CONFIG = ROOT / "bench" / "kimi-k2" / "config.json"
-
-
-def plan(target, *args):
-    r = run_script("train.py", "--plan", "--target", target, *args, check=False)
-    assert "Traceback" not in r.stderr, r.stderr
-    return r, (json.loads(r.stdout.splitlines()[0]) if r.stdout.startswith("{") else None)
-
-
-def test_plan_of_kimi_k2_fits_8_h200_and_8_h100_and_is_refused_on_24_gb(tmp_path):
-    """From config.json alone (the directory holds nothing else): fits on 8xH200 and 8xH100 with a batch of
-    at least 16k tokens per GPU, refused on a 24 GB GPU in one line naming what to change; the online path
-    (the whole 1T-parameter target on every GPU) is refused pointing at --states."""
-    target = tmp_path / "kimi"
-    target.mkdir()
-    (target / "config.json").write_text(KIMI_CONFIG.read_text())
-    for gpu_gb in (141, 80):
-        r, p = plan(target, "--states", "x", "--gpu-gb", gpu_gb, "--gpus", 8)
-        assert r.returncode == 0 and p["fits"] and p["batch_tokens"] >= 16384, r.stdout
-        assert p["peak_gb"] <= gpu_gb and p["tokens_per_s"] > 0 and p["assumed_tflops_per_gpu"] > 0
-        assert 0.8e9 < p["trainable_params"] < 1.2e9  # the public Kimi drafts' size, not the target layer's copy
-        assert "activations per token" in r.stdout and "fits" in r.stdout.splitlines()[-1]
-    small, p = plan(target, "--states", "x", "--gpu-gb", 24, "--gpus", 1)
-    assert small.returncode == 2 and not p["fits"] and "--draft-intermediate" in p["reason"]
-    online, p = plan(target, "--gpu-gb", 141, "--gpus", 8)
-    assert online.returncode == 2 and "--states" in p["reason"]
-    # a real run is refused the same way, before it reads anything but config.json (no tokenizer here)
-    run = run_script("train.py", "--target", target, "--data", tmp_path / "none.jsonl", "--out", tmp_path / "out",
-                     check=False)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--states" in run.stderr, run.stderr
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_batch_too_big_is_refused_naming_the_largest_that_fits_not_the_sample_length():
-    """Host-free: with a --max-len that is no multiple of 256, the largest batch is not rounded below the
-    one sample that fits, so a too-big --batch-tokens is told the largest, not that one sample is too long."""
-    sys.path.insert(0, str(ROOT / "remote"))
-    import train_plan
-
-    config = json.loads(KIMI_CONFIG.read_text())
-    shape = train_plan.draft_shape(config, 32000)
-    common = dict(shape=shape, gpus=8, ttt=7, online=False, gpu_gb=141)
-    lo, hi = 4096, 2**22  # the most tokens a step can hold here (a batch of max_len 4096 samples)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if train_plan.plan(config, batch_tokens=mid, max_len=4096, **common)["fits"] else (lo, mid)
-    max_len = lo if lo % 256 else lo - 1  # one sample of exactly what fits
-    auto = train_plan.plan(config, batch_tokens="auto", max_len=max_len, **common)
-    assert auto["fits"] and auto["largest_batch_tokens"] >= max_len
-    big = train_plan.plan(config, batch_tokens=max_len + 256, max_len=max_len, **common)
-    assert not big["fits"] and big["reason"].startswith(f"--batch-tokens {max_len + 256} does not fit"), big["reason"]
-
-
-def test_plans_activation_bytes_per_token_agree_with_a_cpu_measurement():
-    """Peak memory of one real step at T and 2T tokens, at a reduced width (Kimi's draft / 32, 3 TTT steps: not
-    the shapes the plan's constant was measured at), against the plan's bytes per token: within 25 %."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import train_memory
-
-    shape = train_memory.scaled(32)
-    measured = train_memory.measured_bytes_per_token(shape, 1024, 3, "after")
-    planned = train_memory.planned_bytes_per_token(shape, 1024, 3)
-    assert abs(planned - measured) <= 0.25 * measured, (planned, measured)
