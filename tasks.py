@@ -119,12 +119,14 @@ def generate(c, n=0, on=None, inventory=None, dataset=None, name=None, resume=Fa
             "steps": "optimizer steps", "epochs": "passes over the data (default 1)",
             "gpus": "torchrun processes per host (default: the inventory's `gpus`, else every GPU nvidia-smi lists)",
             "plan": "print the memory/speed plan on each host (its model's config.json, no weights) and exit",
+            "eval_every": "every N steps score the held-out rows and, where a vLLM fits beside training, measure "
+                          "acceptance in it; the best checkpoint becomes draft/",
             "states": "extract run id (or shard directory on the host): train from vLLM's states, not the model",
             "stream": "with --states: consume shards while the extraction writes them, deleting each after use",
             "rendezvous_timeout": "group: seconds a node tries to reach the master before failing",
             "dest": "group: local directory where the --data runs are pulled and merged before shipping"})
 def train(c, data=None, on=None, inventory=None, steps=None, epochs=None, gpus=0, name=None, resume=False,
-          follow=False, states=None, stream=False, rendezvous_timeout=60, dest="artifacts", plan=False):
+          follow=False, states=None, stream=False, rendezvous_timeout=60, dest="artifacts", plan=False, eval_every=0):
     """Train an EAGLE-3 draft for the host's model (a detached run; exports <run>/draft for vLLM).
 
     Extra flags for remote/train.py go after `--`, e.g. `-- --draft-vocab 32000 --lr 1e-4`.
@@ -134,7 +136,7 @@ def train(c, data=None, on=None, inventory=None, steps=None, epochs=None, gpus=0
         return jobs.train_plan(hosts, gpus=int(gpus), states=states, extra=remainder())
     return jobs.train(hosts, data=data, steps=steps, epochs=epochs, gpus=int(gpus), name=name, resume=resume,
                       follow=follow, extra=remainder(), on=on, states=states, stream=stream,
-                      rendezvous_timeout=float(rendezvous_timeout), dest=dest)[1]
+                      rendezvous_timeout=float(rendezvous_timeout), dest=dest, eval_every=int(eval_every))[1]
 
 
 @task(iterable=["data"],
@@ -169,7 +171,8 @@ def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n
             "rows": "prompts to generate answers for", "train_steps": "draft training steps",
             "eval_n": "prompts for the acceptance-length measurement",
             "fresh": "redo generate/train/eval even if finished runs exist", "dest": "where pulled artifacts go"})
-def demo(c, on=None, inventory=None, rows=200, train_steps=300, eval_n=30, fresh=False, dest="artifacts"):
+def demo(c, on=None, inventory=None, rows=demo_mod.TINY_PROMPTS, train_steps=demo_mod.TRAIN_STEPS,
+         eval_n=demo_mod.HELD_OUT_ROWS, fresh=False, dest="artifacts"):
     """The whole pipeline on this machine, CPU only: deps, tiny model, serve, generate, train, eval, pull."""
     (host,) = select_hosts(c, inventory, on)[:1]
     return demo_mod.pipeline(host, rows=int(rows), train_steps=int(train_steps), eval_n=int(eval_n), fresh=fresh,

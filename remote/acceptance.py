@@ -15,8 +15,11 @@ and the prediction averages them the way vLLM does (:func:`walk`): not over ever
 the walk serving takes through each answer. Token c (the answer's first) comes from the prefill; the
 first draft is anchored at slot c-1; a draft anchored at t yields L[t] tokens (accepted + bonus) and the
 next is anchored at t + L[t], so the anchor after a miss is the hard spot itself, and an easy run is
-visited once, not at every slot; the answer's end caps the last chain. vLLM's AL is tokens / drafts
-along that walk. The mean over all anchors (``sim_al_anchors``) is kept for comparison: where misses
+visited once, not at every slot. vLLM's AL is tokens / drafts along that walk. At the answer's end
+vLLM counts a draft's tokens past the stop token as accepted when they match what the target would
+say next (vllm/v1/core/sched/scheduler.py counts acceptances before check_stop trims the output), and
+a draft that reached the stop token intact matches there too (the measured end adds ~1.7 tokens per
+answer on the tiny target, which this assumption reproduces): a chain reaching the end counts full. The mean over all anchors (``sim_al_anchors``) is kept for comparison: where misses
 cluster (the digits of a number) it is the higher of the two. Pure torch, no project imports.
 """
 import torch
@@ -53,8 +56,8 @@ def follows_target(input_ids: torch.Tensor, target_top: torch.Tensor, k: int) ->
 def walk(lengths: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
     """(tokens, drafts) along vLLM's greedy walk through each run of loss tokens (one answer).
 
-    lengths [B, T]: the chain length of a draft anchored at each slot (1 + hits until the first miss,
-    zero hits where a step is not scored, so an answer's end caps it); loss_mask [B, T].
+    lengths [B, T]: the chain length of a draft anchored at each slot (1 + hits until the first miss;
+    steps past the answer's end, not scored, count as hits, as vLLM counts them); loss_mask [B, T].
     """
     tokens = drafts = 0
     lengths, mask = lengths.long().cpu(), loss_mask.int().cpu()
@@ -77,5 +80,5 @@ def batch_chains(objective, input_ids: torch.Tensor, loss_mask: torch.Tensor, k:
     valid = torch.stack([objective.valid_maps[i] for i in range(k)])
     hits = hits & follows_target(input_ids, objective.target_top.view(input_ids.shape), k)
     lengths = chain_lengths(hits.flatten(1), valid.flatten(1))
-    tokens, drafts = walk(1 + (hits & valid).long().cumprod(0).sum(0), loss_mask)
+    tokens, drafts = walk(1 + (hits | ~valid).long().cumprod(0).sum(0), loss_mask)
     return float(lengths.sum()), float(lengths.numel()), float(tokens), float(drafts)

@@ -5,10 +5,21 @@ and every node of a group replay exactly the same batches without telling each o
 """
 import torch
 
+HELD_OUT_ROUND = 1_000_003  # the "epoch" of the held-out draw: no training epoch reaches it
+
 
 def shuffled(n: int, seed: int, epoch: int) -> list[int]:
     """0..n-1 in the order of this seed and epoch (or streaming round): the one seed rule."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def held_out_rows(n_rows: int, fraction: float, seed: int) -> set[int]:
+    """The data rows kept out of training (whole rows, so no turn of a held-out conversation is trained on):
+    round(fraction * n_rows) of them, at least one when fraction > 0 and there are two rows, chosen by the seed."""
+    if fraction <= 0 or n_rows < 2:
+        return set()
+    n = min(n_rows - 1, max(1, round(fraction * n_rows)))
+    return set(shuffled(n_rows, seed, HELD_OUT_ROUND)[:n])
 
 
 def cut_batches(index: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:

@@ -50,6 +50,7 @@ def load_pretrained(loader, path: str, trust_remote_code: bool = False, **kw):
 class Sample:
     ids: list[int]  # (the trainer keeps ids and mask as tensors)
     mask: list[int]  # 1 where the token is the target's own output (loss goes there)
+    row: int = -1  # the data row it came from (file order, all files): held-out slices take whole rows
 
 
 class ChatRenderer:
@@ -58,6 +59,7 @@ class ChatRenderer:
     def __init__(self, tokenizer, eos_ids=(), think_open="<think>", think_close="</think>"):
         self.tok = tokenizer
         self.think_open, self.think_close = think_open, think_close
+        self.eos_ids = list(eos_ids)
         self.eos_text = self._end_of_turn(eos_ids)
 
     @classmethod
@@ -83,6 +85,17 @@ class ChatRenderer:
         if not self.tok.eos_token:
             raise ValueError("cannot tell the end-of-turn token: the tokenizer has no eos_token")
         return self.tok.eos_token
+
+    def stop_ids(self) -> list[int]:
+        """The token ids a server stops at: generation_config's eos ids and the tokenizer's eos (vLLM's rule)."""
+        ids = list(self.eos_ids)
+        if self.tok.eos_token_id is not None and self.tok.eos_token_id not in ids:
+            ids.append(self.tok.eos_token_id)
+        return ids
+
+    def prompt_text(self, messages: list[dict]) -> str:
+        """The text a chat request for `messages` becomes: the template with the generation prompt."""
+        return self._template(messages, True)
 
     def _template(self, messages, add_generation_prompt: bool, **kw) -> str:
         return self.tok.apply_chat_template(
@@ -193,6 +206,7 @@ def render_records(renderer: ChatRenderer, paths: list[str], max_len: int, inclu
             ended = None  # turns do not line up with the messages: assume every turn ended
         for sample in renderer.render(messages, max_len, ended, template_kwargs(record)):
             if sum(sample.mask[2:]) > 0:  # the draft predicts token t+2 onwards
+                sample.row = stats["rows"] - 1
                 yield sample
 
 
@@ -204,7 +218,8 @@ def load_samples(renderer: ChatRenderer, paths: list[str], max_len: int, include
     samples, stats = [], {}
     last = time.monotonic()
     for sample in render_records(renderer, paths, max_len, include_truncated, stats):
-        samples.append(Sample(torch.tensor(sample.ids, dtype=torch.int32), torch.tensor(sample.mask, dtype=torch.bool)))
+        samples.append(Sample(torch.tensor(sample.ids, dtype=torch.int32), torch.tensor(sample.mask, dtype=torch.bool),
+                              sample.row))
         if time.monotonic() - last > PROGRESS_EVERY_S:
             last = time.monotonic()
             progress(stage="render", rows=stats["rows"], samples=len(samples))

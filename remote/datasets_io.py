@@ -212,6 +212,15 @@ def prompt_chunks(messages):
     return chunks
 
 
+def first_prompt(row) -> list[dict] | None:
+    """The messages a one-turn request sends for this row (its first user turn, with any system message),
+    or None for a row that has none: what eval.py sends, and what training's held-out prediction replays."""
+    try:
+        return prompt_chunks(row_messages(row))[0]
+    except RowError:
+        return None
+
+
 def row_id(row, chunks=None):
     """The row's stable id: its id column if set, else a hash of its prompt messages (the raw row
     or line for a malformed one), so re-runs and other hosts name the same row the same way."""

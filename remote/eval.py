@@ -34,7 +34,7 @@ import tempfile
 import time
 import urllib.request
 
-from datasets_io import RowError, prompt_chunks, row_messages
+from datasets_io import first_prompt
 import report as report_page  # report() below builds the JSON one
 from script import Refused, main_of, progress
 
@@ -104,8 +104,10 @@ def load_prompts(path: str, n: int) -> list[list[dict]]:
                 if len(prompts) == n:
                     break
                 if line.strip():
-                    with contextlib.suppress(RowError, json.JSONDecodeError):
-                        prompts.append(prompt_chunks(row_messages(json.loads(line)))[0])
+                    with contextlib.suppress(json.JSONDecodeError):
+                        prompt = first_prompt(json.loads(line))
+                        if prompt is not None:
+                            prompts.append(prompt)
     except OSError as e:
         raise Refused(f"{path}: {e.strerror}") from None
     if not prompts:

@@ -8,8 +8,8 @@ cannot make a browser fetch anything. It is drawn from the run's own files only:
 
     generate  stats.json, data.jsonl, errors.jsonl  rows done/failed/truncated, reasoning and answer
                                                     lengths (tokens), finish reasons, per-endpoint tok/s
-    train     metrics.jsonl                         loss, accuracy per position, simulated acceptance
-                                                    length, learning rate, tokens/s, draft vocab coverage
+    train     metrics.jsonl, evals.jsonl            loss, accuracy per position, acceptance length (simulated,
+                                                    held-out, measured in vLLM), learning rate, tokens/s, draft vocab coverage
     eval      report.json                           acceptance length and per position per temperature,
                                                     tokens/s with and without the draft
     extract   plan.json, index.json                 samples and bytes written against the disk budget
@@ -211,9 +211,15 @@ def train_page(run_dir: str, page: Page, source=None) -> None:
     last = rows[-1]
     accs = sorted((k for k in last if k.startswith("acc_") and k[4:].isdigit()), key=lambda k: int(k[4:]))
     rates = [m["tokens_per_s"] for m in rows if num(m.get("tokens_per_s"))]
+    evals = [e for e in read_jsonl(os.path.join(run_dir, "evals.jsonl")) if num(e.get("step"))]
+    kept = [e for e in evals if e.get("kept")]
+    best = kept[-1] if kept else {}
     page.table([["steps", last["step"]], ["loss", last.get("loss")],
                 ["accuracy per position", " ".join(f"{last[k]:.3f}" for k in accs)],
-                ["simulated acceptance length", last.get("sim_al")],
+                ["simulated acceptance length (this step's batch)", last.get("sim_al")],
+                ["draft/ is the checkpoint of step", best.get("step", last["step"])],
+                ["its predicted acceptance length (held-out rows)", best.get("val_sim_al")],
+                ["its acceptance length measured in vLLM", best.get("measured_al")],
                 ["draft vocabulary coverage of the loss tokens", last.get("vocab_coverage")],
                 ["tokens/s (median step)", sorted(rates)[len(rates) // 2] if rates else None]])
     steps = [m["step"] for m in rows]
@@ -241,7 +247,16 @@ def train_page(run_dir: str, page: Page, source=None) -> None:
     ax.set_ylim(0, 1)
     ax.legend(fontsize="small")
     page.plot(fig, "Accuracy per draft position (smoothed)")
-    curve("sim_al", "Simulated acceptance length", "tokens per step", color="#4c9a2a", smoothed=True)
+    fig, ax = figure()
+    ax.plot(steps, [m.get("sim_al") for m in rows], color="#4c9a2a", alpha=0.35, label="training batch")
+    for key, label, marker in (("val_sim_al", "predicted, held-out rows", "o"), ("measured_al", "measured in vLLM", "s")):
+        pts = [(e["step"], e[key]) for e in evals if num(e.get(key))]
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens per draft")
+    ax.legend(fontsize="small")
+    page.plot(fig, "Acceptance length: simulated on each batch, predicted on held-out rows, measured in vLLM")
     curve("lr", "Learning rate", "lr", color="#8e6bbf")
     curve("tokens_per_s", "Training throughput", "tokens/s", color="#e69f00", smoothed=True)
     curve("vocab_coverage", "Draft vocabulary's coverage of the batch's loss tokens", "fraction", color="#c0392b")

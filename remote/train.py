@@ -21,15 +21,19 @@ import json
 import math
 import os
 import random
+import shutil
+import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import acceptance
+import held_out as held_out_data
 from chat_render import ChatRenderer, data_files, load_samples
 from draft_model import DraftConfig, Eagle3Draft, export
-from batching import rank_batches, steps_in_epochs
+from batching import cut_batches, held_out_rows, rank_batches, steps_in_epochs
 from states_from_shards import ShardTargetStates
 import train_plan
 from target_states import OnlineTargetStates, TargetStates
@@ -74,6 +78,21 @@ def parse_args(argv=None):
     ap.add_argument("--grad-clip", type=float, default=0.5)
     ap.add_argument("--aux-layers", help="a,b,c in vLLM's convention (id k = input of layer k; L = last output)")
     ap.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
+    ap.add_argument("--val-fraction", type=float,
+                    help="share of the data rows held out, never trained on: the predicted acceptance length "
+                         "(val_sim_al) is measured on them (default 0.05, none with --stream; 0: none)")
+    ap.add_argument("--eval-every", type=int, help="score the held-out rows every N steps (always at the end), "
+                                                   "keeping the best checkpoint as draft/")
+    ap.add_argument("--eval-vllm", action="store_true",
+                    help="at each eval also measure acceptance in a vLLM started next to training (remote/eval.py, "
+                         "greedy, on the held-out rows' prompts); the best measured checkpoint becomes draft/")
+    ap.add_argument("--eval-arg", action="append", default=[],
+                    help="extra argument for remote/eval.py, e.g. --max-model-len=512 or "
+                         "--vllm-arg=--gpu-memory-utilization=0.2; repeat")
+    ap.add_argument("--eval-n", type=int, default=30, help="held-out prompts per vLLM measurement")
+    ap.add_argument("--eval-k", type=int, default=3, help="num_speculative_tokens of that measurement")
+    ap.add_argument("--eval-max-tokens", type=int, default=256,
+                    help="max_tokens of the held-out requests, measured and predicted alike")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard event files into OUT")
@@ -96,7 +115,8 @@ def parse_args(argv=None):
             args.batch_tokens = int(args.batch_tokens)
         except ValueError:
             ap.error("--batch-tokens takes a number or auto")
-    for name in ("draft_vocab", "ttt_steps", "max_len", "batch_tokens", "save_every", "draft_heads",
+    for name in ("draft_vocab", "ttt_steps", "max_len", "batch_tokens", "save_every", "eval_every", "eval_n", "eval_k", "eval_max_tokens",
+                 "draft_heads",
                  "draft_kv_heads", "draft_intermediate", "gpus"):
         value = getattr(args, name)
         if value is not None and value != "auto" and value < 1:
@@ -107,6 +127,14 @@ def parse_args(argv=None):
         ap.error("--steps/--epochs must be positive")
     if not 0 <= args.warmup < 1:
         ap.error("--warmup is a fraction in [0, 1)")
+    if args.stream and args.val_fraction:
+        ap.error("--stream holds nothing out (each shard is deleted after its last use): drop --val-fraction")
+    if args.val_fraction is None:
+        args.val_fraction = 0.0 if args.stream else 0.05
+    if not 0 <= args.val_fraction < 1:
+        ap.error("--val-fraction is a fraction in [0, 1)")
+    if args.eval_vllm and not args.val_fraction:
+        ap.error("--eval-vllm measures on the held-out rows' prompts: give --val-fraction > 0")
     if args.stream and (not args.states or args.steps or (args.epochs or 1) != int(args.epochs or 1)):
         ap.error("--stream goes with --states and whole --epochs (not --steps): each shard is read epochs times")
     if args.aux_layers:
@@ -167,7 +195,7 @@ def fingerprint(args, world: int, aux_ids, total_steps: int) -> dict:
         "max_len": args.max_len, "world_size": world, "ttt_steps": args.ttt_steps, "ttt_decay": args.ttt_decay,
         "draft_vocab": args.draft_vocab, "aux_layer_ids": list(aux_ids), "total_steps": total_steps,
         "lr": args.lr, "warmup": args.warmup, "grad_clip": args.grad_clip, "dtype": args.dtype,
-        "include_truncated": args.include_truncated,
+        "include_truncated": args.include_truncated, "val_fraction": args.val_fraction,
     }
 
 
@@ -185,12 +213,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path, step, draft, opt, sched, vocab_ids, fp, metrics):
+def save_checkpoint(path, step, draft, opt, sched, vocab_ids, fp, metrics, best):
     tmp = path + ".tmp"
     torch.save({
         "step": step, "draft": draft.trainable_state_dict(), "optimizer": opt.state_dict(),
         "scheduler": sched.state_dict(), "rng": rng_state(), "vocab_ids": vocab_ids.cpu(),
-        "fingerprint": fp, "metrics": metrics,
+        "fingerprint": fp, "metrics": metrics, "best": best,
     }, tmp)
     os.replace(tmp, path)
 
@@ -224,10 +252,49 @@ embeddings are the target's, left out of this checkpoint).
 | TTT | {args.ttt_steps} steps, decay {args.ttt_decay} |
 | final loss | {metrics.get("loss", float("nan")):.4f} |
 | accuracy per TTT step | {acc} |
-| simulated acceptance length | {metrics.get("sim_al", float("nan")):.3f} |
+| simulated acceptance length (last batch) | {metrics.get("sim_al", float("nan")):.3f} |
+| predicted acceptance length (held-out rows) | {metrics.get("val_sim_al", "-")} |
+| acceptance length measured in vLLM (K={args.eval_k}, greedy, held-out prompts) | {metrics.get("measured_al", "-")} |
 
 Use: `python -m vllm.entrypoints.openai.api_server --model {args.target} --speculative-config '{spec}'`
 """
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def replace_dir(new: str, dest: str) -> None:
+    """dest := new, never leaving dest missing for longer than one rename."""
+    old = dest + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dest):
+        os.rename(dest, old)
+    os.rename(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
+    """remote/eval.py on this draft (greedy, no baseline): {"measured_al", "measured_per_position"}, or
+    {"measured_error"} when the measurement failed (training goes on; that step cannot become draft/)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the measuring vLLM asks for free memory next to this process
+    out = os.path.join(args.out, "evals", f"step-{step}")
+    os.makedirs(out, exist_ok=True)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval.py"),
+           "--target", args.target, "--draft", os.path.abspath(draft_dir), "--prompts", prompts,
+           "--n", str(args.eval_n), "--k", str(args.eval_k), "--temperature", "0", "--no-baseline",
+           "--max-tokens", str(args.eval_max_tokens),
+           "--json", os.path.join(out, "report.json"), *args.eval_arg]
+    result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    with open(os.path.join(out, "eval.log"), "w") as f:
+        f.write(result.stdout + result.stderr)
+    if result.returncode:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        return {"measured_error": f"eval.py exit {result.returncode}: {lines[-1] if lines else ''} "
+                                  f"(log: {out}/eval.log)"}
+    with open(os.path.join(out, "report.json")) as f:
+        rep = json.load(f)
+    return {"measured_al": rep["acceptance_length"], "measured_per_position": rep["per_position"]}
 
 
 # ---------------------------------------------------------------- plan
@@ -301,6 +368,9 @@ def main(argv=None):
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    if use_cuda and args.eval_vllm and not any("gpu-memory-utilization" in a for a in args.eval_arg):
+        raise Refused("--eval-vllm on a GPU starts a vLLM next to training: say how much GPU memory it may take, "
+                      "e.g. --eval-arg=--vllm-arg=--gpu-memory-utilization=0.2")
     distributed = launched_by_torchrun()
     if distributed:  # even at world size 1: a one-GPU machine then runs the NCCL path the 8-GPU job runs
         dist.init_process_group(process_group_backend(use_cuda))
@@ -342,12 +412,17 @@ def main(argv=None):
         raise Refused(str(e)) from None
     if not samples:
         raise Refused(f"no trainable samples in {args.data} ({stats})")
-    progress(stage="data", **stats)
+    # Held out: whole rows never trained on, where the acceptance length serving will see is predicted.
+    held_out = held_out_rows(stats["rows"], args.val_fraction, args.seed)
+    train_index = [i for i, s in enumerate(samples) if s.row not in held_out]
+    if not train_index:
+        raise Refused(f"no trainable sample in {args.data} outside the held-out rows ({stats}): "
+                      "lower --val-fraction")
+    progress(stage="data", **stats, held_out_rows=len(held_out))
 
     # Target: frozen, online; or its states precomputed by vLLM (remote/extract.py) and its head alone.
     if args.stream and world > 1:
         raise Refused("--stream trains on one process: drop torchrun, or train from finished shards")
-    lengths = [len(s.ids) for s in samples]
     stream = None  # --stream: the order in which shards arrive, are trained on and deleted
     try:
         target: TargetStates
@@ -355,18 +430,36 @@ def main(argv=None):
             target = ShardTargetStates(args.target, args.states, args.aux_layers, samples, device, dtype,
                                        stream=args.stream, trust_remote_code=args.trust_remote_code)
             if args.stream:
-                stream = target.stream_schedule(lengths, args.batch_tokens, args.seed, int(args.epochs or 1))
+                stream = target.stream_schedule([len(s.ids) for s in samples], args.batch_tokens, args.seed,
+                                                int(args.epochs or 1))
         else:
             target = OnlineTargetStates(args.target, args.aux_layers, device, dtype, args.trust_remote_code)
     except (OSError, ValueError) as e:
         raise Refused(str(e)) from None
+    # The held-out prediction's samples: with the target at hand, its greedy continuations of the held-out
+    # prompts (what eval.py's greedy requests will produce, held_out.py); with --states, the rows as recorded.
+    held_out_records = held_out_data.records(args.data, held_out) if held_out else []
+    heldout_path = os.path.join(args.out, "heldout.jsonl")  # eval.py's prompts
+    if writer and held_out_records and not os.path.exists(heldout_path):
+        held_out_data.write_rows(held_out_records, heldout_path)
+    if args.states:
+        val_index = [i for i, s in enumerate(samples) if s.row in held_out]
+    else:
+        replay = held_out_data.greedy_samples(target.model, renderer, held_out_records, args.eval_n,
+                                              args.eval_max_tokens, device)
+        val_index = list(range(len(samples), len(samples) + len(replay)))
+        samples += replay
+    progress(stage="held-out", rows=len(held_out), samples=len(val_index),
+             source="recorded rows" if args.states else "the target's greedy continuations")
+    lengths = [len(s.ids) for s in samples]
+    train_lengths = [lengths[i] for i in train_index]
     V = target.config.vocab_size
     if stream:
         total_steps = stream.total_steps
     elif args.steps:
         total_steps = args.steps
     else:
-        total_steps = steps_in_epochs(lengths, args.batch_tokens, args.seed, world, args.epochs or 1)
+        total_steps = steps_in_epochs(train_lengths, args.batch_tokens, args.seed, world, args.epochs or 1)
     if total_steps < 1:
         raise Refused(f"{len(samples)} samples make fewer batches than ranks ({world}): lower --batch-tokens")
     fp = fingerprint(args, world, target.aux_layer_ids, total_steps)
@@ -381,7 +474,7 @@ def main(argv=None):
             raise Refused(f"cannot resume {ckpt_path}: changed since the run started: {', '.join(changed)}")
         vocab_ids = ckpt["vocab_ids"]
     else:
-        vocab_ids = draft_vocab(samples, V, min(args.draft_vocab, V))
+        vocab_ids = draft_vocab([samples[i] for i in train_index], V, min(args.draft_vocab, V))
     torch.manual_seed(args.seed)
     config = DraftConfig.from_target(target.config, len(vocab_ids), target.aux_layer_ids, heads=args.draft_heads,
                                      kv_heads=args.draft_kv_heads, intermediate=args.draft_intermediate)
@@ -400,7 +493,7 @@ def main(argv=None):
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    start_step, metrics = 0, {}
+    start_step, metrics, best = 0, {}, None  # best: the evaluated step draft/ holds, and its score
     if ckpt is not None:
         missing, unexpected = draft.load_state_dict(ckpt["draft"], strict=False)
         if unexpected or set(missing) != {"embed_tokens.weight", "draft_to_target"}:
@@ -408,9 +501,10 @@ def main(argv=None):
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
         set_rng_state(ckpt["rng"])
-        start_step, metrics = ckpt["step"], ckpt["metrics"]
+        start_step, metrics, best = ckpt["step"], ckpt["metrics"], ckpt.get("best")
         if writer:
             truncate_metrics(metrics_path, start_step)
+            truncate_metrics(os.path.join(args.out, "evals.jsonl"), start_step)
         progress(stage="resume", step=start_step, steps=total_steps)
     model = torch.nn.parallel.DistributedDataParallel(draft) if distributed else draft
 
@@ -418,7 +512,8 @@ def main(argv=None):
     if stream:
         batches = stream.batches(start_step)
     else:
-        batches = rank_batches(lengths, args.batch_tokens, args.seed, rank, world)
+        batches = ((epoch, [train_index[j] for j in batch])
+                   for epoch, batch in rank_batches(train_lengths, args.batch_tokens, args.seed, rank, world))
         for _ in range(start_step):
             next(batches)
     if args.states:  # vLLM's states: read ahead by DataLoader workers into pinned memory while the GPU steps
@@ -427,18 +522,79 @@ def main(argv=None):
     else:
         batches = ((epoch, index, None) for epoch, index in batches)
     pad_id = renderer.tok.pad_token_id if renderer.tok.pad_token_id is not None else 0
-    t0 = last_print = time.monotonic()
-    tokens_seen = 0
-    for step in range(start_step, total_steps):
-        step_t0 = time.monotonic()
-        epoch, index, payload = next(batches)
+
+    def forward(net, index, payload=None):
+        """One batch through the target's states and the draft's TTT steps: (objective, per-step
+        (loss, correct, counted), input_ids, attention, loss_mask)."""
         input_ids, attention, loss_mask = collate(samples, index, pad_id, device)
         states = target.states(input_ids, attention, index, payload) if payload else \
             target.states(input_ids, attention, index)
         target_vd, target_top = target_distribution(target.normed(states.last), target.head_weight, head_vd)
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            per_step = model(input_ids, states.aux, args.ttt_steps, objective)
+            per_step = net(input_ids, states.aux, args.ttt_steps, objective)
+        return objective, per_step, input_ids, attention, loss_mask
+
+    val_batches = cut_batches(val_index, lengths, args.batch_tokens)[rank::world]
+
+    @torch.no_grad()
+    def validate() -> dict:
+        """Accuracy per step and the predicted acceptance length (vLLM's walk) on the held-out rows."""
+        k = args.ttt_steps
+        sums = torch.zeros(2 * k + 2, dtype=torch.float64, device=device)
+        for index in val_batches:
+            objective, per_step, input_ids, _, loss_mask = forward(draft, index)
+            sums[:k] += torch.stack([r[1] for r in per_step]).double()
+            sums[k : 2 * k] += torch.stack([r[2] for r in per_step]).double()
+            sums[2 * k :] += torch.tensor(acceptance.batch_chains(objective, input_ids, loss_mask, k)[2:],
+                                          dtype=torch.float64, device=device)
+        if distributed:
+            dist.all_reduce(sums)
+        acc = (sums[:k] / sums[k : 2 * k].clamp(min=1)).tolist()
+        return {"val_sim_al": round(sums[2 * k].item() / max(1.0, sums[2 * k + 1].item()), 4),
+                **{f"val_acc_{i}": round(a, 4) for i, a in enumerate(acc)}}
+
+    def export_draft(path, step, figures):
+        export(draft, path, dtype, model_card(args, target, stats, V, len(vocab_ids), target.aux_layer_ids, step,
+                                              figures))
+
+    def evaluate(step: int) -> dict:
+        """Held-out figures (and vLLM's measurement with --eval-vllm) of the draft as it is now; the best
+        so far is exported as OUT/draft (scored by the measurement when there is one, else val_sim_al)."""
+        nonlocal best
+        figures = validate()
+        candidate = os.path.join(args.out, "draft.candidate")
+        if writer:
+            export_draft(candidate, step, figures)
+        if args.eval_vllm:
+            measured = measure_in_vllm(args, candidate, heldout_path, step) if rank == 0 else {}
+            if distributed:  # every node keeps the same best: rank 0's measurement, through gloo (CPU)
+                box = [measured]
+                dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))  # gloo: no NCCL timeout
+                measured = box[0]
+            figures.update(measured)
+            score = measured.get("measured_al")
+        else:
+            score = figures["val_sim_al"]
+        better = best is None or (score is not None and (best["score"] is None or score > best["score"]))
+        if better:
+            best = {"step": step, "score": score}
+        if writer:
+            if better:
+                replace_dir(candidate, os.path.join(args.out, "draft"))
+            else:
+                shutil.rmtree(candidate)
+            with open(os.path.join(args.out, "evals.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **figures, "kept": better}) + "\n")
+        progress(stage="eval", step=step, **figures, best_step=best["step"])
+        return figures
+
+    t0 = last_print = time.monotonic()
+    tokens_seen = 0
+    for step in range(start_step, total_steps):
+        step_t0 = time.monotonic()
+        epoch, index, payload = next(batches)
+        objective, per_step, input_ids, attention, loss_mask = forward(model, index, payload)
         loss = sum(r[0] for r in per_step)
         correct, counted = torch.stack([r[1] for r in per_step]), torch.stack([r[2] for r in per_step])
         opt.zero_grad(set_to_none=True)
@@ -469,11 +625,14 @@ def main(argv=None):
                    "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}
         loss_ids = input_ids[loss_mask.bool()]  # how much of this batch's loss tokens the draft vocabulary covers
         metrics["vocab_coverage"] = round(in_vocab[loss_ids].float().sum().item() / max(1, loss_ids.numel()), 4)
+        evaluated = bool(val_index) and (step + 1 == total_steps or (args.eval_every and (step + 1) % args.eval_every == 0))
+        if evaluated:
+            metrics.update(evaluate(step + 1))
         if writer:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             for key, value in metrics.items() if tensorboard else ():
-                if key not in ("step", "epoch"):
+                if key not in ("step", "epoch") and isinstance(value, (int, float)):
                     tensorboard.add_scalar(f"train/{key}", value, step + 1)
         now = time.monotonic()
         if now - last_print > PROGRESS_EVERY_S or step + 1 == total_steps:
@@ -485,22 +644,24 @@ def main(argv=None):
             if writer:
                 report.refresh(args.out, "train")
         shard_done = stream is not None and stream.checkpoint_due(step + 1)  # its shard may go after a save
-        if writer and ((step + 1) % args.save_every == 0 or step + 1 == total_steps or shard_done):
-            save_checkpoint(ckpt_path, step + 1, draft, opt, sched, vocab_ids, fp, metrics)
+        if writer and ((step + 1) % args.save_every == 0 or step + 1 == total_steps or shard_done or evaluated):
+            save_checkpoint(ckpt_path, step + 1, draft, opt, sched, vocab_ids, fp, metrics, best)
             if stream:
                 stream.saved(step + 1)
 
-    # Export.
+    # Export: the last step's draft, unless evaluations kept their best as draft/ already.
     if writer:
-        card = model_card(args, target, stats, V, len(vocab_ids), target.aux_layer_ids, total_steps, metrics)
-        export(draft, os.path.join(args.out, "draft"), dtype, card)
+        if not val_index:
+            export_draft(os.path.join(args.out, "draft"), total_steps, metrics)
         if tensorboard:
             tensorboard.close()
         report.finish(args.out, "train")
     if distributed:
         dist.destroy_process_group()
     progress(stage="done", steps=total_steps, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
-             sim_al=metrics.get("sim_al"), draft=os.path.join(args.out, "draft"))
+             sim_al=metrics.get("sim_al"), val_sim_al=metrics.get("val_sim_al"),
+             measured_al=metrics.get("measured_al"), draft_step=best["step"] if best else total_steps,
+             draft=os.path.join(args.out, "draft"))
 
 
 if __name__ == "__main__":

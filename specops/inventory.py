@@ -80,6 +80,10 @@ def _one_of(*choices):
     return check
 
 
+def _share(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
+
+
 def _gpus(v):
     return (_str(v) and all(p.strip().isdigit() for p in v.split(","))) or (
         isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -93,6 +97,7 @@ _word.expected = "a name without spaces that does not start with '-'"
 _str_list.expected = "a list of strings"
 _str_map.expected = "a mapping of NAME: value"
 _gpus.expected = "GPU indices like '0,1,2,3'"
+_share.expected = "a fraction between 0 and 1, e.g. 0.2"
 
 def _setting(check: Callable[[Any], bool], default: Any = None):
     """A host setting (a field of Host): how its value is checked, and its default (None: unset)."""
@@ -133,6 +138,7 @@ class Host:
     max_model_len: int | None = _setting(_int)
     vllm_args: tuple[str, ...] = _setting(_str_list, ())
     env: dict = _setting(_str_map, {})
+    train_eval_gpu_share: float | None = _setting(_share)  # GPU memory a vLLM measuring drafts may take beside training
 
     def __post_init__(self):
         for key, (_, default) in KEYS.items():

@@ -183,8 +183,8 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
 # ---------------------------------------------------------------- train
 
 def train_argv(session: Session, index: int, count: int, *, data, nproc: int, grouped: bool = False, states=None,
-               stream=False, steps=None, epochs=None, extra=(), master=None, port=TORCHRUN_PORT, run_id=None,
-               rendezvous_timeout=group.RENDEZVOUS_TIMEOUT) -> list[str]:
+               stream=False, steps=None, epochs=None, eval_every=0, extra=(), master=None, port=TORCHRUN_PORT,
+               run_id=None, rendezvous_timeout=group.RENDEZVOUS_TIMEOUT) -> list[str]:
     """remote/train.py's command on host ``index`` of ``count``: plain Python for one host without GPUs,
     torchrun with one process per GPU (``nproc``) otherwise, behind the master check in a group."""
     a = ["--target", model_path(session), "--out", "."]
@@ -194,6 +194,8 @@ def train_argv(session: Session, index: int, count: int, *, data, nproc: int, gr
     if states:
         a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
     a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
+    if eval_every:
+        a += ["--eval-every", str(eval_every)] + measure_beside_training(session.host)
     a += trust_remote_code(session) + list(extra)
     if count == 1 and not nproc:
         return script(session, "train.py") + a
@@ -207,8 +209,24 @@ def train_argv(session: Session, index: int, count: int, *, data, nproc: int, gr
     return launcher + [code(session, "remote/train.py")] + a
 
 
+def measure_beside_training(host) -> list[str]:
+    """train.py's flags for measuring checkpoints in a vLLM beside training, shaped like the host's own
+    server: always on a CPU host; on a GPU host only with the inventory's train_eval_gpu_share."""
+    if host.flavor == "gpu" and not host.train_eval_gpu_share:
+        return []
+    share = [f"--gpu-memory-utilization={host.train_eval_gpu_share}"] if host.flavor == "gpu" else []
+    return ["--eval-vllm"] + [f"--eval-arg={a}" for a in eval_server_args(host, share)]
+
+
+def eval_server_args(host, vllm_extra=()) -> list[str]:
+    """eval.py's flags that start its servers like the host's own (parallelism, context, vllm_args)."""
+    shape = (["--tensor-parallel-size", str(host.tp)] if host.tp > 1 else []) + [str(a) for a in host.vllm_args]
+    return [*(["--max-model-len", str(host.max_model_len)] if host.max_model_len else []),
+            *[f"--vllm-arg={a}" for a in [*shape, *vllm_extra]]]
+
+
 def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, follow=False, gpus=0, extra=(),
-          on=None, out=None, states=None, stream=False,
+          on=None, out=None, states=None, stream=False, eval_every=0,
           rendezvous_timeout=group.RENDEZVOUS_TIMEOUT, dest="artifacts") -> tuple[str | None, int]:
     """One training run; several hosts = one torchrun job across them (node rank i = host i, host 0 the
     master; :mod:`specops.group`). A group trains on the generate runs' merged data, shipped to every node.
@@ -228,7 +246,8 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
 
     def argv(session: Session, index: int, count: int) -> list[str]:
         return train_argv(session, index, count, data=data, nproc=gpus or host_gpu_count(session), grouped=grouped,
-                          states=states, stream=stream, steps=steps, epochs=epochs, extra=extra, master=master,
+                          states=states, stream=stream, steps=steps, epochs=epochs, eval_every=eval_every,
+                          extra=extra, master=master,
                           port=port if grouped else TORCHRUN_PORT, run_id=run_id,
                           rendezvous_timeout=rendezvous_timeout)
 
@@ -270,14 +289,11 @@ def train_plan(hosts, *, gpus=0, states=None, extra=(), out=None) -> int:
 # ---------------------------------------------------------------- eval
 
 def eval_argv(session: Session, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, extra=()) -> list[str]:
-    """remote/eval.py's command; its servers are started like the host's own (parallelism, context, vllm_args)."""
-    host = session.host
-    shape = (["--tensor-parallel-size", str(host.tp)] if host.tp > 1 else []) + [str(a) for a in host.vllm_args]
+    """remote/eval.py's command; its servers are started like the host's own (eval_server_args)."""
     return script(session, "eval.py") + [
         "--target", model_path(session), "--draft", run_output(session, draft, "draft"),
         "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k), "--json", "report.json",
-        *(["--max-model-len", str(host.max_model_len)] if host.max_model_len else []),
-        *[f"--vllm-arg={a}" for a in shape], *extra]
+        *eval_server_args(session.host), *extra]
 
 
 def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, name=None, dest="artifacts", extra=(),

@@ -44,3 +44,27 @@ def test_the_prediction_walks_each_answer_as_vllm_does():
     # every anchor counted alike says (7 * 4 + 1) / 8 = 3.625 for the same answer; the walk 3.0
     two = torch.cat([mask, torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]])])  # a row whose answer starts at 0
     assert acceptance.walk(torch.cat([lengths, lengths]), two) == (9, 3)  # no slot before it: no draft counted
+
+
+def test_a_chain_reaching_the_answer_end_counts_full_as_vllm_counts_it():
+    # vLLM counts a draft's tokens past the stop token as accepted (before check_stop trims them), so a
+    # chain that hits every step up to the answer's end counts all k; one that misses before it does not.
+    from types import SimpleNamespace
+
+    k, mask = 3, torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])  # the answer: slots 2..7 (token 2 from the prefill)
+    input_ids = torch.arange(10, 18).view(1, 8)
+    target_top = torch.cat([input_ids[:, 1:], torch.tensor([[0]])], 1)  # the data is the target's greedy path
+    valid = {i: torch.zeros(1, 8, dtype=torch.bool) for i in range(k)}
+    for i in range(k):
+        for t in range(8 - 2 - i):
+            valid[i][0, t] = bool(mask[0, t + 2 + i])
+
+    def chains(hits):
+        objective = SimpleNamespace(hit_maps=hits, valid_maps=valid, target_top=target_top)
+        return acceptance.batch_chains(objective, input_ids, mask, k)[2:]
+
+    # anchor 1 drafts 3..5 (all hit: 4 tokens), anchor 5 drafts 7 (the last) then past the end: 4 counted
+    assert chains({i: valid[i].clone() for i in range(k)}) == (8.0, 2.0)
+    missed = {i: valid[i].clone() for i in range(k)}
+    missed[0][0, 5] = False  # the last token missed: the chain ends there, nothing past the end counts
+    assert chains(missed) == (5.0, 2.0)

@@ -41,9 +41,13 @@ all:
     for stage in ("deploy + deps", "tiny model", "serve --wait", "generate", "train", "eval", "pull",
                   "stop service"):
         assert stage in summary, summary
-    al = float(re.search(r"acceptance length ([\d.]+)", summary).group(1))
+    al = float(re.search(r"measured acceptance length ([\d.]+)", summary).group(1))
     # the trained draft is accepted: a random draft of its shape gets ~1.0 (tests/vllm/test_eval.py); seen 3.17
     assert al > 2.0, summary
+    # train shows what it predicted on the held-out rows and what vLLM measured there (both figures)
+    predicted, measured = map(float, re.search(r"predicted AL ([\d.]+) on held-out rows, measured in vLLM ([\d.]+)",
+                                               summary).groups())
+    assert predicted > 1.5 and measured > 2.0, summary
     assert (dest / "demo-eval" / "localhost" / "report.json").is_file()
     for run in ("demo-generate", "demo-train", "demo-eval"):  # the demo ends with its reports, named in the summary
         assert str(dest / run / "localhost" / "report.html") in summary, summary

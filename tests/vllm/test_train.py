@@ -127,6 +127,15 @@ def test_training_loss_falls_and_first_position_accuracy_rises(trained_run):
     assert {"acc_0", "acc_1", "acc_2", "sim_al", "tokens_per_s", "lr"} <= set(rows[-1])
 
 
+def test_the_held_out_prediction_is_within_0_1_of_what_vllm_measures(trained_run):
+    """The trainer's predicted acceptance length (the target's greedy continuations of the held-out rows'
+    prompts, walked as vLLM drafts them) against vLLM's own counters on the same prompts."""
+    (last,) = [json.loads(line) for line in (trained_run / "evals.jsonl").read_text().splitlines()]
+    assert last["step"] == 300 and last["kept"] and (trained_run / "heldout.jsonl").is_file()
+    assert last["measured_al"] > 2.5, last  # a trained draft: a random one of its shape measures ~1.0
+    assert abs(last["val_sim_al"] - last["measured_al"]) <= 0.1, last
+
+
 def test_export_is_exactly_what_vllm_loads(trained_run, tiny_model):
     draft = trained_run / "draft"
     tensors = load_file(draft / "model.safetensors")

@@ -1,0 +1,53 @@
+"""The rows training never sees, and what serving will generate for them.
+
+The acceptance length vLLM measures is a property of the target's own greedy text on prompts the
+draft never trained on. The held-out rows (batching.held_out_rows) give the prompts; with the
+target at hand (online training) the prediction replays exactly what serving will do at
+temperature 0: the target's greedy continuation of each prompt, up to the same max_tokens and
+stop tokens as eval.py's request, loops and all. A row's recorded answer (sampled, or cut by
+max_tokens, or re-rendered from a reasoning parser's split) is only an approximation of it:
+sampled tokens break chains serving would not break.
+"""
+import json
+import os
+
+import torch
+
+from chat_render import Sample, read_records
+from datasets_io import first_prompt
+
+
+def records(data, rows: set[int]) -> list[dict]:
+    """The data rows numbered `rows` (file order over all files, as load_samples numbers them)."""
+    return [record for n, (_, _, record) in enumerate(read_records(data)) if n in rows]
+
+
+def write_rows(rows: list[dict], path: str) -> None:
+    """The held-out rows as jsonl: eval.py's --prompts (it sends the first N rows' first_prompt)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def greedy_samples(model, renderer, rows: list[dict], n: int, max_new_tokens: int, device) -> list[Sample]:
+    """The target's greedy continuation of the first n rows' first prompts, as Samples (mask on the
+    continuation): the token stream eval.py's greedy requests will produce. One prompt at a time, so
+    no padding changes a logit."""
+    eos = renderer.stop_ids()
+    out = []
+    for row in rows:
+        messages = first_prompt(row)
+        if messages is None:
+            continue
+        prompt = renderer.tok(renderer.prompt_text(messages), add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt], device=device)
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                   do_sample=False, temperature=None, top_p=None, top_k=None,
+                                   eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):].tolist()
+        out.append(Sample(torch.tensor(prompt + generated, dtype=torch.int32),
+                          torch.tensor([0] * len(prompt) + [1] * len(generated), dtype=torch.bool), row=-1))
+        if len(out) == n:
+            break
+    return out
