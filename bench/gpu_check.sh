@@ -6,7 +6,8 @@
 #   2. the diagonal attention's CUDA kernels (flash/efficient lse) against plain matmuls and the dense mask
 #   3. (a) torchrun --nproc-per-node 1, NCCL: the trainer's step on a real-width draft (H 7168, Vd 32000,
 #      T 8192, 7 TTT steps): tokens/s, torch.cuda.max_memory_allocated against the plan;
-#      and remote/train.py itself under torchrun on the tiny target (process group, DDP, metrics all-reduce)
+#      and remote/train.py itself under torchrun on the tiny target (process group, DDP, metrics all-reduce,
+#      greedy held-out replay, --eval-vllm: a vLLM measuring checkpoints beside the NCCL job)
 #   4. (b) vLLM serving the Kimi-shaped target in extraction mode with the stock ExampleHiddenStatesConnector
 #      (inv serve --extract's command line for a gpu host), remote/extract.py against it
 #   5. (c) remote/eval.py of the step-3 draft at temperature 0 and 0.7
@@ -78,9 +79,11 @@ step attention 120 $PY bench/gpu_check.py attention-check
 step real_width 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_check.py real-step \
     --steps 4 --tokens 8192
 rm -rf "$WORK/run"
-step train_tiny 180 $PY -m torch.distributed.run --standalone --nproc-per-node 1 remote/train.py \
+step train_tiny 300 $PY -m torch.distributed.run --standalone --nproc-per-node 1 remote/train.py \
     --target "$WORK/tiny" --data "$WORK/chat.jsonl" --out "$WORK/run" --steps 200 --lr 1e-2 --ttt-steps 3 \
-    --batch-tokens 2048
+    --batch-tokens 2048 --val-fraction 0.1 --eval-every 100 --eval-vllm --eval-arg=--max-model-len=1024 \
+    --eval-arg=--vllm-arg=--gpu-memory-utilization=0.3
+[[ -f "$WORK/run/evals.jsonl" ]] && $PY -c 'import json,sys; e=[json.loads(l) for l in open(sys.argv[1])]; print(json.dumps({"step": "a: vLLM beside NCCL training (predicted vs measured AL)", "ok": all("measured_al" in x for x in e), "evals": [{k: x.get(k) for k in ("step", "val_sim_al", "measured_al", "measured_error")} for x in e]}))' "$WORK/run/evals.jsonl" >> "$ROWS"
 $PY remote/train.py --plan --target bench/kimi-k2 --states - --gpus 8 > "$WORK/plan.txt" && head -1 "$WORK/plan.txt" \
     | $PY -c 'import json,sys; p=json.load(sys.stdin); print(json.dumps({"step": "plan: Kimi-K2 on 8 of this GPU", "ok": p["fits"], "batch_tokens": p["batch_tokens"], "peak_gb": p["peak_gb"], "tokens_per_s": p["tokens_per_s"]}))' >> "$ROWS"
 

@@ -337,6 +337,7 @@ def main(argv=None):
     for skip in rep["skipped"]:
         print(f"temperature {skip['temperature']}: skipped, {skip['skipped']}", flush=True)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)
         report_page.finish(os.path.dirname(os.path.abspath(args.json)), "eval", source=args.json)

@@ -31,10 +31,11 @@ def write_rows(rows: list[dict], path: str) -> None:
 
 
 @torch.no_grad()
-def greedy_samples(model, renderer, rows: list[dict], n: int, max_new_tokens: int, device) -> list[Sample]:
+def greedy_samples(model, renderer, rows: list[dict], n: int, max_new_tokens: int, max_len: int,
+                   device) -> list[Sample]:
     """The target's greedy continuation of the first n rows' first prompts, as Samples (mask on the
-    continuation): the token stream eval.py's greedy requests will produce. One prompt at a time, so
-    no padding changes a logit."""
+    continuation, cut to max_len like every sample): the token stream eval.py's greedy requests will
+    produce. One prompt at a time, so no padding changes a logit."""
     eos = renderer.stop_ids()
     out = []
     for row in rows:
@@ -46,8 +47,8 @@ def greedy_samples(model, renderer, rows: list[dict], n: int, max_new_tokens: in
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                    do_sample=False, temperature=None, top_p=None, top_k=None,
                                    eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):].tolist()
-        out.append(Sample(torch.tensor(prompt + generated, dtype=torch.int32),
-                          torch.tensor([0] * len(prompt) + [1] * len(generated), dtype=torch.bool), row=-1))
+        ids, mask = prompt + generated, [0] * len(prompt) + [1] * len(generated)
+        out.append(Sample(torch.tensor(ids[:max_len], dtype=torch.int32), torch.tensor(mask[:max_len], dtype=torch.bool)))
         if len(out) == n:
             break
     return out

@@ -72,6 +72,8 @@ def parse_args(argv=None):
     length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
     length.add_argument("--steps", type=int, help="optimizer steps")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--head-init", choices=["target", "random"], default="target",
+                    help="the draft's final norm and lm_head start as the target's (default) or at random")
     ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps with a linear warmup")
     ap.add_argument("--batch-tokens", default="auto",
                     help="padded tokens per batch per rank; auto (default): the largest the plan fits")
@@ -195,7 +197,7 @@ def fingerprint(args, world: int, aux_ids, total_steps: int) -> dict:
         "max_len": args.max_len, "world_size": world, "ttt_steps": args.ttt_steps, "ttt_decay": args.ttt_decay,
         "draft_vocab": args.draft_vocab, "aux_layer_ids": list(aux_ids), "total_steps": total_steps,
         "lr": args.lr, "warmup": args.warmup, "grad_clip": args.grad_clip, "dtype": args.dtype,
-        "include_truncated": args.include_truncated, "val_fraction": args.val_fraction,
+        "include_truncated": args.include_truncated, "val_fraction": args.val_fraction, "head_init": args.head_init,
     }
 
 
@@ -263,6 +265,10 @@ Use: `python -m vllm.entrypoints.openai.api_server --model {args.target} --specu
 # ---------------------------------------------------------------- evaluation
 
 
+TORCHRUN_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+
+
 def replace_dir(new: str, dest: str) -> None:
     """dest := new, never leaving dest missing for longer than one rename."""
     old = dest + ".old"
@@ -285,7 +291,9 @@ def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
            "--n", str(args.eval_n), "--k", str(args.eval_k), "--temperature", "0", "--no-baseline",
            "--max-tokens", str(args.eval_max_tokens),
            "--json", os.path.join(out, "report.json"), *args.eval_arg]
-    result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    # Not torchrun's variables: vLLM would take this rank's RANK/WORLD_SIZE/MASTER_* for its own group.
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     with open(os.path.join(out, "eval.log"), "w") as f:
         f.write(result.stdout + result.stderr)
     if result.returncode:
@@ -446,7 +454,7 @@ def main(argv=None):
         val_index = [i for i, s in enumerate(samples) if s.row in held_out]
     else:
         replay = held_out_data.greedy_samples(target.model, renderer, held_out_records, args.eval_n,
-                                              args.eval_max_tokens, device)
+                                              args.eval_max_tokens, args.max_len, device)
         val_index = list(range(len(samples), len(samples) + len(replay)))
         samples += replay
     progress(stage="held-out", rows=len(held_out), samples=len(val_index),
@@ -483,6 +491,13 @@ def main(argv=None):
     in_vocab = torch.zeros(V, dtype=torch.bool, device=device)
     in_vocab[vocab_ids] = True
     head_vd = target.head_weight[vocab_ids]  # the target's head over the draft vocabulary, once
+    if ckpt is None and args.head_init == "target":
+        # The draft's last hidden state stands in for the target's at the next position: start its final
+        # norm and head as the target's (the norm's effective scale is what it makes of an rms-1 input).
+        with torch.no_grad():
+            H = target.config.hidden_size
+            draft.norm.weight.copy_(target.normed(torch.ones(1, 1, H, device=device, dtype=head_vd.dtype)).flatten())
+            draft.lm_head.weight.copy_(head_vd)
 
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     warmup = math.ceil(args.warmup * total_steps)

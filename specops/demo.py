@@ -174,7 +174,7 @@ def _train(hosts, steps, val_fraction, fresh, check, out) -> str:
         check(code, "train")
     kept = [e for e in _read_jsonl(hosts, "demo-train", "evals.jsonl") if e.get("kept")]
     if not kept:
-        check(1, "train: no evaluation recorded (evals.jsonl)")
+        check(1, "train: no evaluation recorded (no evals.jsonl: a run of an older specops? `inv demo --fresh`)")
     best = kept[-1]
     return (f"step {best['step']} kept: predicted AL {best.get('val_sim_al')} on held-out rows, "
             f"measured in vLLM {best.get('measured_al')}")
