@@ -135,8 +135,8 @@ def parse_args(argv=None):
         args.val_fraction = 0.0 if args.stream else 0.05
     if not 0 <= args.val_fraction < 1:
         ap.error("--val-fraction is a fraction in [0, 1)")
-    if args.eval_vllm and not args.val_fraction:
-        ap.error("--eval-vllm measures on the held-out rows' prompts: give --val-fraction > 0")
+    if (args.eval_vllm or args.eval_every) and not args.val_fraction:
+        ap.error("--eval-every and --eval-vllm score the held-out rows: give --val-fraction > 0 (none with --stream)")
     if args.stream and (not args.states or args.steps or (args.epochs or 1) != int(args.epochs or 1)):
         ap.error("--stream goes with --states and whole --epochs (not --steps): each shard is read epochs times")
     if args.aux_layers:

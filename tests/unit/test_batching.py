@@ -1,4 +1,4 @@
-"""remote/batching.py's held-out rows: whole rows, a fixed share, the same for every rank and resume."""
+"""The held-out rows: batching's seeded draw, and train.py's flags around them."""
 import os
 import sys
 
@@ -19,3 +19,19 @@ def test_held_out_rows_never_take_every_row_and_zero_takes_none():
     assert held_out_rows(1, 0.5, seed=0) == set()  # one row: it is trained on
     assert len(held_out_rows(2, 0.9, seed=0)) == 1
     assert len(held_out_rows(100, 0.001, seed=0)) == 1  # a positive share holds out at least one row
+
+
+def test_train_refuses_held_out_flags_that_cannot_work(capsys):
+    import pytest
+    from train import parse_args
+
+    base = ["--target", "t", "--data", "d", "--out", "o"]
+    assert parse_args(base).val_fraction == 0.05
+    assert parse_args(base + ["--states", "s", "--stream", "--epochs", "1"]).val_fraction == 0.0  # shards go
+    for bad, why in ((["--eval-every", "10", "--val-fraction", "0"], "give --val-fraction > 0"),
+                     (["--eval-vllm", "--val-fraction", "0"], "give --val-fraction > 0"),
+                     (["--states", "s", "--stream", "--val-fraction", "0.1"], "--stream holds nothing out"),
+                     (["--val-fraction", "1"], "a fraction in [0, 1)")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(base + bad)
+        assert e.value.code == 2 and why in capsys.readouterr().err
