@@ -221,7 +221,7 @@ def measure_beside_training(host) -> list[str]:
 def eval_server_args(host, vllm_extra=()) -> list[str]:
     """eval.py's flags that start its servers like the host's own (parallelism, context, vllm_args)."""
     shape = (["--tensor-parallel-size", str(host.tp)] if host.tp > 1 else []) + [str(a) for a in host.vllm_args]
-    return [*(["--max-model-len", str(host.max_model_len)] if host.max_model_len else []),
+    return [*([f"--max-model-len={host.max_model_len}"] if host.max_model_len else []),
             *[f"--vllm-arg={a}" for a in [*shape, *vllm_extra]]]
 
 

@@ -64,6 +64,21 @@ def test_eval_starts_its_servers_like_the_hosts_own():
     argv = jobs.eval_argv(session(tp=8, max_model_len=65536, vllm_args=["--trust-remote-code"]), draft="train-1",
                           n=50, k=4)
     assert after(argv, "--draft") == f"{W}/runs/train-1/draft" and after(argv, "--k") == "4"
-    assert after(argv, "--prompts") == f"{W}/code/examples/prompts.jsonl" and after(argv, "--max-model-len") == "65536"
+    assert after(argv, "--prompts") == f"{W}/code/examples/prompts.jsonl" and "--max-model-len=65536" in argv
     assert [a for a in argv if a.startswith("--vllm-arg=")] == [
         "--vllm-arg=--tensor-parallel-size", "--vllm-arg=8", "--vllm-arg=--trust-remote-code"]
+
+
+def test_train_measures_checkpoints_in_vllm_only_where_one_fits_beside_it():
+    def train(**settings):
+        return jobs.train_argv(session(**settings), 0, 1, data=["gen-1"], nproc=0, steps=900, eval_every=300)
+
+    cpu = train(flavor="cpu", max_model_len=512, vllm_args=["--enforce-eager"])
+    assert after(cpu, "--eval-every") == "300" and "--eval-vllm" in cpu  # a CPU host always has room
+    assert "--eval-arg=--max-model-len=512" in cpu and "--eval-arg=--vllm-arg=--enforce-eager" in cpu
+    gpu = train(tp=8)
+    assert after(gpu, "--eval-every") == "300" and "--eval-vllm" not in gpu  # held-out rows only
+    room = train(tp=8, train_eval_gpu_share=0.2)
+    assert "--eval-vllm" in room and "--eval-arg=--vllm-arg=--tensor-parallel-size" in room
+    assert "--eval-arg=--vllm-arg=--gpu-memory-utilization=0.2" in room  # the share the inventory gives
+    assert "--eval-every" not in jobs.train_argv(session(), 0, 1, data=["gen-1"], nproc=0)
