@@ -73,6 +73,9 @@ _FIGURES = {
     "loss": lambda v: f"loss {v:.3f}",
     "acc_0": lambda v: f"acc0 {v:.2f}",
     "sim_al": lambda v: f"sim AL {v:.2f}",
+    "val_sim_al": lambda v: f"predicted AL {v:.2f} (held out)",
+    "measured_al": lambda v: f"measured AL {v:.2f} (vLLM)",
+    "best_step": lambda v: f"draft/ = step {v}",
     "acceptance_length": lambda v: f"acceptance length {v:.2f}",
     "speedup": lambda v: f"speedup {v:.2f}x",
     "rows_s": lambda v: f"{v:.1f} rows/s",
@@ -86,7 +89,8 @@ _FIGURES = {
     "retries": lambda v: f"{v} retries" if v else None,
 }
 _COUNTS = [("done", "total", "{} rows"), ("step", "steps", "step {}"), ("shards_done", "shards", "{} shards")]
-_QUIET = {"req_s", "in_flight", "empty", "epoch", "tokens_done", "draft", "acc_1", "acc_2", "acc_3"}
+_QUIET = {"req_s", "in_flight", "empty", "epoch", "tokens_done", "draft", "acc_1", "acc_2", "acc_3", "val_acc_0",
+          "val_acc_1", "val_acc_2", "val_acc_3", "measured_per_position", "draft_step"}
 
 
 def describe(progress) -> tuple[str, float | None]:
