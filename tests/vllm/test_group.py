@@ -156,10 +156,12 @@ def test_group_generate_then_group_train_gives_one_identical_draft(served, tmp_p
     for node in (node1, node2):  # every rank trained on the same merged sample list, one epoch of it
         metrics = lines(node, f"{node.workdir}/runs/{train}/metrics.jsonl")
         assert {m["epoch"] for m in metrics} == {0}
-        assert sum(m["samples"] for m in metrics) == 12
+        assert sum(m["samples"] for m in metrics) == 11  # every merged row but the one held out (5% of 12)
         meta = json.loads(sh(node, f"cat {node.workdir}/runs/{train}/meta.json"))
         assert f"{node.workdir}/data/{gen}/merged.jsonl" in meta["argv"]
         assert "--nnodes=2" in meta["argv"] and f"--node-rank={[node1, node2].index(node)}" in meta["argv"]
+    evals = [lines(n, f"{n.workdir}/runs/{train}/evals.jsonl") for n in (node1, node2)]
+    assert evals[0] == evals[1] and len(evals[0]) == 1 and evals[0][0]["kept"]  # one held-out figure, reduced
     data_line = next(json.loads(x.split(" ", 1)[1]) for x in sh(node1, f"cat {node1.workdir}/runs/{train}/log")
                      .decode().splitlines() if x.startswith("specops-progress") and '"stage":"data"' in x)
     assert (data_line["rows"], data_line["samples"]) == (12, 12)  # the merged data: every generated row
