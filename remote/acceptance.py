@@ -19,7 +19,8 @@ visited once, not at every slot. vLLM's AL is tokens / drafts along that walk. A
 vLLM counts a draft's tokens past the stop token as accepted when they match what the target would
 say next (vllm/v1/core/sched/scheduler.py counts acceptances before check_stop trims the output), and
 a draft that reached the stop token intact matches there too (the measured end adds ~1.7 tokens per
-answer on the tiny target, which this assumption reproduces): a chain reaching the end counts full. The mean over all anchors (``sim_al_anchors``) is kept for comparison: where misses
+answer on the tiny target, which this assumption reproduces): a chain reaching the end counts full.
+The mean over all anchors (``sim_al_anchors``) is kept for comparison: where misses
 cluster (the digits of a number) it is the higher of the two. Pure torch, no project imports.
 """
 import torch
