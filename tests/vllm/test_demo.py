@@ -33,7 +33,7 @@ all:
     # its own tmux server: the demo's runs have fixed names (demo-generate, ...), as a user's demo here does
     (tmp_path / "tmux").mkdir()
     env = {"TMUX_TMPDIR": str(tmp_path / "tmux")}
-    proc = inv("demo", "--rows", 30, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
+    proc = inv("demo", "--rows", 100, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
                timeout=1800, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -42,7 +42,8 @@ all:
                   "stop service"):
         assert stage in summary, summary
     al = float(re.search(r"measured acceptance length ([\d.]+)", summary).group(1))
-    # the trained draft is accepted: a random draft of its shape gets ~1.0 (tests/vllm/test_eval.py); seen 3.17
+    # the trained draft is accepted on prompts it never trained on: a random draft of its shape gets ~1.0
+    # (tests/vllm/test_eval.py); 80 steps on these 75 rows measured 2.24 and 2.31 (30 rows: 1.99, too few to generalise)
     assert al > 2.0, summary
     # train shows what it predicted on the held-out rows and what vLLM measured there (both figures)
     predicted, measured = map(float, re.search(r"predicted AL ([\d.]+) on held-out rows, measured in vLLM ([\d.]+)",
@@ -54,7 +55,7 @@ all:
         assert (dest / run / "localhost" / "report.html").is_file()
     assert (dest / "demo-generate" / "localhost" / "data.jsonl").stat().st_size > 0
     # the service is stopped at the end, and a re-run reuses the finished runs
-    again = inv("demo", "--rows", 30, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
+    again = inv("demo", "--rows", 100, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
                 timeout=1200, env=env)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert again.stdout.count("reusing the finished run") == 3
