@@ -67,6 +67,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (capped at the target's)")
     ap.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length")
     ap.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay per TTT step")
+    ap.add_argument("--label-temperature", type=float, default=1.0,
+                    help="softmax temperature of the target's logits the draft learns; below 1 sharpens them "
+                         "toward the target's argmax, which is what greedy serving accepts")
     ap.add_argument("--max-len", type=int, default=4096, help="tokens per sample (longer ones are cut)")
     length = ap.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
@@ -123,6 +126,8 @@ def parse_args(argv=None):
         value = getattr(args, name)
         if value is not None and value != "auto" and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if not args.label_temperature > 0:
+        ap.error("--label-temperature must be positive")
     if args.draft_heads and args.draft_kv_heads and args.draft_heads % args.draft_kv_heads:
         ap.error("--draft-heads must be a multiple of --draft-kv-heads")
     if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
@@ -545,9 +550,13 @@ def main(argv=None):
         states = target.states(input_ids, attention, index, payload) if payload else \
             target.states(input_ids, attention, index)
         target_vd, target_top = target_distribution(target.normed(states.last), target.head_weight, head_vd)
+        if args.label_temperature != 1.0:
+            target_vd = target_vd / args.label_temperature
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            per_step = net(input_ids, states.aux, args.ttt_steps, objective)
+            # Recompute each TTT step in backward on a GPU only: train_plan sizes GPU batches on it; on a CPU
+            # host memory is not what binds, and the recompute is a quarter of the step.
+            per_step = net(input_ids, states.aux, args.ttt_steps, objective, checkpoint=use_cuda)
         return objective, per_step, input_ids, attention, loss_mask
 
     val_batches = cut_batches(val_index, lengths, args.batch_tokens)[rank::world]

@@ -31,7 +31,8 @@ def test_train_refuses_held_out_flags_that_cannot_work(capsys):
     for bad, why in ((["--eval-every", "10", "--val-fraction", "0"], "give --val-fraction > 0"),
                      (["--eval-vllm", "--val-fraction", "0"], "give --val-fraction > 0"),
                      (["--states", "s", "--stream", "--val-fraction", "0.1"], "--stream holds nothing out"),
-                     (["--val-fraction", "1"], "a fraction in [0, 1)")):
+                     (["--val-fraction", "1"], "a fraction in [0, 1)"),
+                     (["--label-temperature", "0"], "--label-temperature must be positive")):
         with pytest.raises(SystemExit) as e:
             parse_args(base + bad)
         assert e.value.code == 2 and why in capsys.readouterr().err

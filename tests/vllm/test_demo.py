@@ -27,7 +27,7 @@ all:
           max_model_len: 512
           port: {free_port()}
           vllm_args: [--enforce-eager, --dtype, float32]
-          env: {{VLLM_CPU_KVCACHE_SPACE: "1"}}
+          env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_ENABLE_V1_MULTIPROCESSING: "0"}}
 """)
     dest = tmp_path / "artifacts"
     # its own tmux server: the demo's runs have fixed names (demo-generate, ...), as a user's demo here does
