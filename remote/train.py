@@ -554,9 +554,7 @@ def main(argv=None):
             target_vd = target_vd / args.label_temperature
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            # Recompute each TTT step in backward on a GPU only: train_plan sizes GPU batches on it; on a CPU
-            # host memory is not what binds, and the recompute is a quarter of the step.
-            per_step = net(input_ids, states.aux, args.ttt_steps, objective, checkpoint=use_cuda)
+            per_step = net(input_ids, states.aux, args.ttt_steps, objective)
         return objective, per_step, input_ids, attention, loss_mask
 
     val_batches = cut_batches(val_index, lengths, args.batch_tokens)[rank::world]
