@@ -200,6 +200,7 @@ def fingerprint(args, world: int, aux_ids, total_steps: int) -> dict:
     return {
         "target": args.target, "data": files, "seed": args.seed, "batch_tokens": args.batch_tokens,
         "max_len": args.max_len, "world_size": world, "ttt_steps": args.ttt_steps, "ttt_decay": args.ttt_decay,
+        "label_temperature": args.label_temperature,
         "draft_vocab": args.draft_vocab, "aux_layer_ids": list(aux_ids), "total_steps": total_steps,
         "lr": args.lr, "warmup": args.warmup, "grad_clip": args.grad_clip, "dtype": args.dtype,
         "include_truncated": args.include_truncated, "val_fraction": args.val_fraction, "head_init": args.head_init,
