@@ -91,7 +91,7 @@ def real_step(args):
         tokens_per_s=round(T / steady), max_memory_allocated_gb=round(peak / 1e9, 2),
         plan_gb=round(planned / 1e9, 2), plan_over_measured=round(planned / peak, 3),
         loss=round(totals[0].item(), 4), backend=dist.get_backend())
-    dist.destroy_process_group()
+    train.leave_process_group()
 
 
 def attention_check(args):

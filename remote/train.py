@@ -52,6 +52,19 @@ def process_group_backend(use_cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
+def leave_process_group() -> None:
+    """Destroy the process group once every rank is done with it, without deadlocking in gloo.
+
+    Gloo's worker threads drop a finished collective's tensors after the caller's wait() has returned,
+    and dropping a tensor that Python has seen takes the GIL. Destroying the group joins those threads
+    while holding the GIL: a rank that reaches it straight from its last collective (every rank but 0,
+    which writes the draft first) could hang there for ever (seen in CI, and in 1 launch of 16 on a loaded
+    2-core host). The barrier lines the ranks up; the sleep releases the GIL so the workers finish first."""
+    dist.barrier()
+    time.sleep(0.2)
+    dist.destroy_process_group()
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target model (HF directory or name)")
@@ -680,7 +693,7 @@ def main(argv=None):
             tensorboard.close()
         report.finish(args.out, "train")
     if distributed:
-        dist.destroy_process_group()
+        leave_process_group()
     progress(stage="done", steps=total_steps, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
              sim_al=metrics.get("sim_al"), val_sim_al=metrics.get("val_sim_al"),
              measured_al=metrics.get("measured_al"), draft_step=best["step"] if best else total_steps,

@@ -187,7 +187,7 @@ def test_torchrun_two_cpu_processes_train_and_export(tiny_model, generated_data,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REMOTE / "train.py"), "--target", str(tiny_model), "--data", str(generated_data), "--out", str(out),
            "--steps", "8", "--batch-tokens", "1024", "--ttt-steps", "3", "--lr", "1e-2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = metrics(out)
