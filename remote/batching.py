@@ -6,6 +6,7 @@ and every node of a group replay exactly the same batches without telling each o
 import torch
 
 HELD_OUT_ROUND = 1_000_003  # the "epoch" of the held-out draw: no training epoch reaches it
+POOL = 1024  # samples sorted by length together before batches are cut
 
 
 def shuffled(n: int, seed: int, epoch: int) -> list[int]:
@@ -34,9 +35,20 @@ def cut_batches(index: list[int], lengths: list[int], batch_tokens: int) -> list
     return batches + [batch] if batch else batches
 
 
+def grouped_batches(order: list[int], lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """``order`` cut into batches of samples of like length, in a seeded order of batches. Each pool of
+    POOL consecutive samples is sorted by length before it is cut: a batch pads to its longest sample,
+    and randomly mixed lengths make a third or more of every batch padding, computed and thrown away."""
+    batches = []
+    for start in range(0, len(order), POOL):
+        pool = sorted(order[start:start + POOL], key=lambda i: lengths[i])
+        batches += cut_batches(pool, lengths, batch_tokens)
+    return [batches[j] for j in shuffled(len(batches), seed, epoch)]
+
+
 def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     """Sample indices per batch for one epoch: a seeded shuffle cut into batches of <= batch_tokens padded tokens."""
-    return cut_batches(shuffled(len(lengths), seed, epoch), lengths, batch_tokens)
+    return grouped_batches(shuffled(len(lengths), seed, epoch), lengths, batch_tokens, seed, epoch)
 
 
 def world_batches(batches: list[list[int]], world: int) -> list[list[int]]:

@@ -8,6 +8,7 @@ stop tokens as eval.py's request, loops and all. A row's recorded answer (sample
 max_tokens, or re-rendered from a reasoning parser's split) is only an approximation of it:
 sampled tokens break chains serving would not break.
 """
+import hashlib
 import json
 import os
 
@@ -17,9 +18,20 @@ from chat_render import Sample, read_records
 from datasets_io import first_prompt
 
 
-def records(data, rows: set[int]) -> list[dict]:
-    """The data rows numbered `rows` (file order over all files, as load_samples numbers them)."""
-    return [record for n, (_, _, record) in enumerate(read_records(data)) if n in rows]
+def records(data, rows: set[int]) -> tuple[list[dict], set[int]]:
+    """The data rows numbered `rows` (file order over all files, as load_samples numbers them), and
+    the numbers of every row that asks the same first prompt as one of them (those rows included):
+    a duplicate prompt left in training would teach the draft the very text it is judged on."""
+    held, keys, key_of = [], set(), []
+    for n, (_, _, record) in enumerate(read_records(data)):
+        prompt = first_prompt(record)
+        key = None if prompt is None else hashlib.sha1(json.dumps(prompt, sort_keys=True).encode()).digest()
+        key_of.append(key)
+        if n in rows:
+            held.append(record)
+            keys.add(key)
+    keys.discard(None)
+    return held, rows | {n for n, key in enumerate(key_of) if key in keys}
 
 
 def write_rows(rows: list[dict], path: str) -> None:

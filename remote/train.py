@@ -439,13 +439,15 @@ def main(argv=None):
         raise Refused(str(e)) from None
     if not samples:
         raise Refused(f"no trainable samples in {args.data} ({stats})")
-    # Held out: whole rows never trained on, where the acceptance length serving will see is predicted.
+    # Held out: whole rows never trained on (nor any row asking the same prompt), where the acceptance
+    # length serving will see is predicted.
     held_out = held_out_rows(stats["rows"], args.val_fraction, args.seed)
-    train_index = [i for i, s in enumerate(samples) if s.row not in held_out]
+    held_out_records, untrained = held_out_data.records(args.data, held_out) if held_out else ([], set())
+    train_index = [i for i, s in enumerate(samples) if s.row not in untrained]
     if not train_index:
         raise Refused(f"no trainable sample in {args.data} outside the held-out rows ({stats}): "
                       "lower --val-fraction")
-    progress(stage="data", **stats, held_out_rows=len(held_out))
+    progress(stage="data", **stats, held_out_rows=len(held_out), same_prompt_rows=len(untrained - held_out))
 
     # Target: frozen, online; or its states precomputed by vLLM (remote/extract.py) and its head alone.
     if args.stream and world > 1:
@@ -465,7 +467,6 @@ def main(argv=None):
         raise Refused(str(e)) from None
     # The held-out prediction's samples: with the target at hand, its greedy continuations of the held-out
     # prompts (what eval.py's greedy requests will produce, held_out.py); with --states, the rows as recorded.
-    held_out_records = held_out_data.records(args.data, held_out) if held_out else []
     heldout_path = os.path.join(args.out, "heldout.jsonl")  # eval.py's prompts
     if writer and held_out_records and not os.path.exists(heldout_path):
         held_out_data.write_rows(held_out_records, heldout_path)

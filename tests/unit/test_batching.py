@@ -1,9 +1,12 @@
-"""The held-out rows: batching's seeded draw, and train.py's flags around them."""
+"""Which samples train together, and the held-out rows: batching's seeded draws, held_out's exclusion of
+duplicate prompts, and train.py's flags around them."""
+import json
 import os
+import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "remote"))
-from batching import held_out_rows  # noqa: E402
+from batching import cut_batches, epoch_batches, held_out_rows, shuffled  # noqa: E402
 
 
 def test_held_out_rows_are_a_seeded_share_of_the_rows():
@@ -36,3 +39,37 @@ def test_train_refuses_held_out_flags_that_cannot_work(capsys):
         with pytest.raises(SystemExit) as e:
             parse_args(base + bad)
         assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_batches_of_like_lengths_take_every_sample_once_with_far_less_padding():
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 400) for _ in range(3000)]
+
+    def padding(batches):
+        return 1 - sum(lengths[i] for b in batches for i in b) / sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    batches = epoch_batches(lengths, 2048, seed=0, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 2048 for b in batches)
+    assert batches == epoch_batches(lengths, 2048, seed=0, epoch=0)  # every rank, every resume
+    assert batches != epoch_batches(lengths, 2048, seed=0, epoch=1)
+    mixed = cut_batches(shuffled(len(lengths), 0, 0), lengths, 2048)
+    assert padding(mixed) > 0.3 and padding(batches) < 0.05
+
+
+def test_rows_asking_a_held_out_prompt_are_not_trained_on(tmp_path):
+    import held_out
+
+    def row(prompt, answer, system=None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        return {"messages": messages}
+
+    rows = [row("2+2?", "4"), row("3+3?", "6"), row("2+2?", "four"), row("2+2?", "4", system="Be brief."),
+            row("3+3?", "6")]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records, untrained = held_out.records([str(data)], {2})
+    assert records == [rows[2]]
+    assert untrained == {0, 2}  # the same first prompt; another system message makes another prompt
+    assert held_out.records([str(data)], {1, 3})[1] == {1, 3, 4}
