@@ -27,7 +27,8 @@ TINY_PROMPTS = 4000  # rows of the tiny domain the demo can generate from (examp
 # on but 0.86 on held-out rows (AL 3.13); 4000 rows seen 5 times, 0.97 held out (AL 3.8). A reduced
 # draft vocabulary (256 of 512) exercises the d2t mapping real drafts use. The demo measures greedy
 # acceptance, which takes the target's argmax: labels sharpened to temperature 0.2 gain 0.07-0.11 there
-# (0.05 and 0.5 gain less; 1800 steps no more than 1200).
+# (0.05 and 0.5 gain less; 1800 steps no more than 1200). Measured on prompts no training row asks:
+# 3.83 and 3.84 (seeds 0, 1); the target's greedy answers as data instead of its sampled ones: 3.74-3.77.
 TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05",
                      "--draft-vocab", "256", "--max-len", "512", "--label-temperature", "0.2"]
 TRAIN_STEPS = 1200
