@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The steps of bench/gpu_check.sh that need Python: each prints one JSON line (its row of the table).
 
-    python bench/gpu_check.py real-step [--steps 4] [--tokens 8192]    (under torchrun --nproc-per-node 1)
+    python bench/gpu_check.py real-step [--steps 4] [--tokens 8192] [--batch 1]   (under torchrun --nproc-per-node 1)
     python bench/gpu_check.py kimi-target TINY_MODEL OUT
     python bench/gpu_check.py chat-rows OUT [--n 24]
     python bench/gpu_check.py serve-extract TARGET DATA OUT
@@ -45,8 +45,15 @@ def real_step(args):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     torch.cuda.set_device(device)
     dist.init_process_group(train.process_group_backend(True))
-    d, T, k = KIMI_DRAFT, args.tokens, args.ttt_steps
+    d, B, T, k = KIMI_DRAFT, args.batch, args.tokens, args.ttt_steps
     H, V, Vd = d["hidden"], d["vocab"], d["draft_vocab"]
+    shape = train_plan.DraftShape(**{k2: d[k2] for k2 in ("hidden", "intermediate", "heads", "kv_heads",
+                                                            "head_dim", "draft_vocab", "vocab")})
+    if args.plan_batch:  # the batch train.py's --batch-tokens auto picks on this GPU, in samples of T tokens
+        gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+        auto = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=gpu_gb, ttt=k, batch_tokens="auto", max_len=T,
+                               online=False, ddp=True)
+        B = auto["batch_tokens"] // T
     c = DraftConfig(hidden_size=H, intermediate_size=d["intermediate"], num_attention_heads=d["heads"],
                     num_key_value_heads=d["kv_heads"], head_dim=d["head_dim"], vocab_size=V, draft_vocab_size=Vd,
                     aux_layer_ids=[2, 30, 58], max_position_embeddings=131072)
@@ -59,10 +66,10 @@ def real_step(args):
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
     in_vocab = torch.zeros(V, dtype=torch.bool, device=device)
     in_vocab[vocab_ids] = True
-    ids = torch.randint(0, V, (1, T), device=device)
-    aux = torch.randn(1, T, 3 * H, device=device, dtype=torch.bfloat16)
-    last = torch.randn(1, T, H, device=device, dtype=torch.bfloat16)
-    mask = torch.ones(1, T, dtype=torch.long, device=device)
+    ids = torch.randint(0, V, (B, T), device=device)
+    aux = torch.randn(B, T, 3 * H, device=device, dtype=torch.bfloat16)
+    last = torch.randn(B, T, H, device=device, dtype=torch.bfloat16)
+    mask = torch.ones(B, T, dtype=torch.long, device=device)
     torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
@@ -82,14 +89,14 @@ def real_step(args):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device)
-    shape = train_plan.DraftShape(**{k2: d[k2] for k2 in ("hidden", "intermediate", "heads", "kv_heads",
-                                                            "head_dim", "draft_vocab", "vocab")})
-    planned = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=1e6, ttt=k, batch_tokens=T, max_len=T, online=False,
+    planned = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=1e6, ttt=k, batch_tokens=B * T, max_len=T,
+                              online=False,
                               ddp=True)["peak_gb"] * 1e9
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-    row(step="a: NCCL train, Kimi-width draft", ok=True, tokens=T, ttt_steps=k, s_per_step=round(steady, 3),
-        tokens_per_s=round(T / steady), max_memory_allocated_gb=round(peak / 1e9, 2),
+    row(step=f"a: NCCL train, Kimi-width draft, {B}x{T} tokens", ok=True, tokens=B * T, ttt_steps=k,
+        s_per_step=round(steady, 3), tokens_per_s=round(B * T / steady), max_memory_allocated_gb=round(peak / 1e9, 2),
         plan_gb=round(planned / 1e9, 2), plan_over_measured=round(planned / peak, 3),
+        gpu_gb=round(torch.cuda.get_device_properties(device).total_memory / 1e9, 1),
         loss=round(totals[0].item(), 4), backend=dist.get_backend())
     train.leave_process_group()
 
@@ -191,7 +198,9 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("real-step")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=8192, help="per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--plan-batch", action="store_true", help="as many sequences as the plan's auto batch holds")
     p.add_argument("--ttt-steps", type=int, default=7)
     sub.add_parser("attention-check")
     p = sub.add_parser("kimi-target")

@@ -26,7 +26,11 @@ import subprocess
 import sys
 import time
 
-import torch
+# Before torch touches CUDA: at a batch near the plan's, the default allocator's fragmentation alone
+# (10.7 GiB reserved but free on an H200, Kimi width) turned a step that fits into an OOM.
+ALLOC_CONF_SET_HERE = "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch  # noqa: E402
 import torch.distributed as dist
 
 import acceptance
@@ -312,6 +316,8 @@ def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
            "--json", os.path.join(out, "report.json"), *args.eval_arg]
     # Not torchrun's variables: vLLM would take this rank's RANK/WORLD_SIZE/MASTER_* for its own group.
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    if ALLOC_CONF_SET_HERE:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF")  # the trainer's allocator setting, not vLLM's to inherit
     result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     with open(os.path.join(out, "eval.log"), "w") as f:
         f.write(result.stdout + result.stderr)
