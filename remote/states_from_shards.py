@@ -28,7 +28,7 @@ import torch.utils.data
 from safetensors import safe_open
 
 import states_dir as shards
-from batching import cut_batches, shuffled
+from batching import grouped_batches, shuffled
 from chat_render import load_pretrained
 from script import progress
 from target_states import TargetBatch
@@ -267,7 +267,8 @@ class BatchReader(torch.utils.data.Dataset):
 class StreamSchedule:
     """Training order over a spool that never holds more than `epochs` shards for the trainer.
 
-    Round r trains on the shards r-E+1 .. r (E = epochs), shuffled together: every shard is
+    Round r trains on the shards r-E+1 .. r (E = epochs), shuffled together and cut into batches of
+    like length as an epoch is (batching.grouped_batches): every shard is
     in E consecutive rounds, so every sample is seen E times, as in E epochs; shard r-E+1 is
     not needed after round r. The trainer saves a checkpoint at the end of each such round
     (`checkpoint_due`), and only then are the shards it finished deleted (`saved`): a crash
@@ -284,7 +285,8 @@ class StreamSchedule:
             window = range(max(0, r - E + 1), min(r, S - 1) + 1)
             index = [i for k in window for i in range(plan_shards[k]["first"],
                                                         plan_shards[k]["first"] + plan_shards[k]["count"])]
-            self.steps += cut_batches([index[j] for j in shuffled(len(index), seed, r)], lengths, batch_tokens)
+            self.steps += grouped_batches([index[j] for j in shuffled(len(index), seed, r)], lengths, batch_tokens,
+                                          seed, r)
             if r - E + 1 >= 0:
                 self.last_step[r - E + 1] = len(self.steps)
         self.total_steps = len(self.steps)
