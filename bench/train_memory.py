@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Activation memory per token of one EAGLE-3 training step, before (the plain step) and after (the lean one).
+"""Activation memory per token of one EAGLE-3 training step, before (the plain step) and after (the lean one;
+"cpu": the lean one without recomputing TTT steps, as train.py runs it on a CPU host).
 
     python bench/train_memory.py [--ttt-steps 7] [--tokens 1024] [--scales 64,32]
 
@@ -68,7 +69,7 @@ def one_step(shape: dict, tokens: int, ttt: int, impl: str) -> None:
         target_vd, target_top = target_distribution(last, head, head[vocab_ids], vocab_chunk=V // 10)
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8,
                                      chunk_rows=CHUNK_ROWS)
-        loss = sum(r[0] for r in draft(input_ids, aux, ttt, objective))
+        loss = sum(r[0] for r in draft(input_ids, aux, ttt, objective, checkpoint=impl == "after"))
     loss.backward()
     # the peak of the address space, not of RSS: under memory pressure the kernel drops the interpreter's
     # file-backed pages, and a peak RSS taken while importing torch can then hide the step's (seen in CI);
@@ -89,12 +90,14 @@ def measured_bytes_per_token(shape: dict, tokens: int, ttt: int, impl: str) -> f
     return (peak_bytes(shape, 2 * tokens, ttt, impl) - peak_bytes(shape, tokens, ttt, impl)) / tokens
 
 
-def planned_bytes_per_token(shape: dict, tokens: int, ttt: int, act_bytes: int = 4, reduced: bool = True) -> float:
+def planned_bytes_per_token(shape: dict, tokens: int, ttt: int, act_bytes: int = 4, reduced: bool = True,
+                            recompute: bool = True) -> float:
     """The plan's figure for the same measurement: (plan(2T) - plan(T)) / T, fp32 as on the CPU."""
     s = DraftShape(hidden=shape["hidden"], intermediate=shape["intermediate"], heads=shape["heads"],
                    kv_heads=shape["kv_heads"], head_dim=shape["head_dim"], draft_vocab=shape["draft_vocab"],
                    vocab=shape["vocab"], aux=3)
-    chunks = {"chunk_rows": CHUNK_ROWS, "vocab_chunk": shape["vocab"] // 10} if reduced else {}
+    chunks = {"chunk_rows": CHUNK_ROWS, "vocab_chunk": shape["vocab"] // 10, "recompute": recompute} if reduced \
+        else {"recompute": recompute}
     a = step_activation_bytes(s, 2 * tokens, ttt, act_bytes, **chunks) - step_activation_bytes(s, tokens, ttt, act_bytes, **chunks)
     return a / tokens
 
@@ -111,12 +114,13 @@ def main():
         return one_step(job["shape"], job["tokens"], job["ttt"], job["impl"])
     scales = [int(s) for s in args.scales.split(",")]
     rows = {}
-    for impl in ("before", "after"):
+    for impl in ("before", "after", "cpu"):
         for scale in scales:
             shape = scaled(scale)
             got = measured_bytes_per_token(shape, args.tokens, args.ttt_steps, impl)
             rows[(impl, scale)] = got
-            planned = planned_bytes_per_token(shape, args.tokens, args.ttt_steps) if impl == "after" else None
+            planned = planned_bytes_per_token(shape, args.tokens, args.ttt_steps, recompute=impl == "after") \
+                if impl != "before" else None
             print(json.dumps({"impl": impl, "scale": scale, "hidden": shape["hidden"], "tokens": args.tokens,
                               "measured_bytes_per_token": round(got),
                               "plan_bytes_per_token": round(planned) if planned else None}), flush=True)

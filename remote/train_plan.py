@@ -11,7 +11,9 @@ Activations are counted tensor by tensor from what the lean step (draft_model.py
 ttt_objective.py) keeps: per token, the inputs (ids, the aux and last states, the target's
 logits over the draft vocabulary) and, for each TTT step, its output state, keys and values
 (the step itself is checkpointed); plus one step's recomputed activations while its backward
-runs (its saved tensors, and their gradients: BACKWARD_FACTOR, measured on the CPU). The
+runs (its saved tensors, and their gradients: BACKWARD_FACTOR, measured on the CPU). On a CPU host,
+where memory does not bind and the recompute costs a fifth of the step, no step is recomputed and
+every step's saved tensors are counted. The
 loss and vocabulary chunks cost a fixed amount, not per token. tests/torch/test_memory_plan.py checks
 the per-token figure against the peak RSS of real steps at a reduced width (within 25 %). On CUDA the
 count is scaled by CUDA_ACTIVATION_FACTOR, measured on an H200 by bench/gpu_check.sh.
@@ -83,10 +85,12 @@ def draft_defaults(config: dict) -> dict:
 
 
 def step_activation_bytes(s: DraftShape, tokens: int, ttt: int, act: int = 2, states: int = None,
-                          frozen: int = None, chunk_rows: int = None, vocab_chunk: int = VOCAB_CHUNK) -> int:
+                          frozen: int = None, chunk_rows: int = None, vocab_chunk: int = VOCAB_CHUNK,
+                          recompute: bool = True) -> int:
     """Peak activation bytes of one step at `tokens` tokens. act: bytes of an autocast activation
     (2 under bf16, 4 on the CPU's fp32); states/frozen: bytes of the target's states and logits
-    (default: act). Norm statistics and the attention merge are fp32 either way."""
+    (default: act). Norm statistics and the attention merge are fp32 either way. recompute: each TTT
+    step is checkpointed (one step's saved tensors live at a time), else every step's are kept."""
     states = states or act
     frozen = frozen or act
     H, I, Vd = s.hidden, s.intermediate, s.draft_vocab
@@ -100,6 +104,8 @@ def step_activation_bytes(s: DraftShape, tokens: int, ttt: int, act: int = 2, st
     fp32 = 3 * H + 2 * H + H + 3 * Q  # normed embed/hidden/residual, cat, post-norm output; merge inputs
     half = H + 3 * Q + 2 * K + 2 * Q + Q + H + 4 * I  # embeds, q/rot/rope, k/rot, SDPA outs, o_proj input, MLP
     step = (fp32 * 4 + half * act) * BACKWARD_FACTOR
+    if not recompute:  # every step's saved tensors, which hold its output state, keys and values counted above
+        step = ttt * step - ttt * (H + 2 * K) * act
     rows = chunk_rows or max(1, CE_CHUNK_BYTES // (4 * Vd))
     loss_chunk = 5 * min(rows, tokens) * Vd * 4  # logits, log-softmax, softmax, product, gradient: fixed size
     step_phase = (kept + cache_grads + step) * tokens + loss_chunk
@@ -127,9 +133,10 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
     budget = gpu_gb * 1e9 - RESERVE_GB * 1e9
     fixed = weights + optimizer + frozen
     factor = 1.0 if cpu else CUDA_ACTIVATION_FACTOR
+    recompute = not cpu  # train.py recomputes TTT steps in backward on a GPU only (see there)
 
     def activations(tokens):
-        return factor * step_activation_bytes(shape, tokens, ttt, act)
+        return factor * step_activation_bytes(shape, tokens, ttt, act, recompute=recompute)
 
     per_token = (activations(2 * max_len) - activations(max_len)) / max_len
 
@@ -154,7 +161,7 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
     flops = step_flops_per_token(shape, ttt, max_len)
     return {
         "fits": ok, "gpus": gpus, "gpu_gb": gpu_gb, "draft": asdict(shape), "trainable_params": P,
-        "ttt_steps": ttt, "max_len": max_len,
+        "ttt_steps": ttt, "max_len": max_len, "recompute": recompute,
         "weights_gb": round(weights / 1e9, 2), "optimizer_gb": round(optimizer / 1e9, 2),
         "frozen_gb": round(frozen / 1e9, 2), "frozen": frozen_what,
         "activation_bytes_per_token": round(per_token), "reserve_gb": RESERVE_GB,
