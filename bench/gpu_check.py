@@ -42,6 +42,7 @@ def real_step(args):
     from ttt_objective import SoftCrossEntropy, target_distribution
 
     assert train.launched_by_torchrun(), "run under torchrun"
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", train.EXPANDABLE_SET_BY_MAIN)  # as train.main sets it
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     torch.cuda.set_device(device)
     dist.init_process_group(train.process_group_backend(True))

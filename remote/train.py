@@ -26,11 +26,7 @@ import subprocess
 import sys
 import time
 
-# Before torch touches CUDA: at a batch near the plan's, the default allocator's fragmentation alone
-# (10.7 GiB reserved but free on an H200, Kimi width) turned a step that fits into an OOM.
-ALLOC_CONF_SET_HERE = "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-import torch  # noqa: E402
+import torch
 import torch.distributed as dist
 
 import acceptance
@@ -49,6 +45,9 @@ from script import PROGRESS_EVERY_S, Refused, main_of, progress
 
 def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+EXPANDABLE_SET_BY_MAIN = "expandable_segments:True"
 
 
 def process_group_backend(use_cuda: bool) -> str:
@@ -316,8 +315,8 @@ def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
            "--json", os.path.join(out, "report.json"), *args.eval_arg]
     # Not torchrun's variables: vLLM would take this rank's RANK/WORLD_SIZE/MASTER_* for its own group.
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
-    if ALLOC_CONF_SET_HERE:
-        env.pop("PYTORCH_CUDA_ALLOC_CONF")  # the trainer's allocator setting, not vLLM's to inherit
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == EXPANDABLE_SET_BY_MAIN:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF")  # the trainer's allocator setting: vLLM's KV connectors refuse it
     result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     with open(os.path.join(out, "eval.log"), "w") as f:
         f.write(result.stdout + result.stderr)
@@ -399,6 +398,11 @@ def main(argv=None):
     if use_cuda and not torch.cuda.is_available():
         raise Refused("--device cuda, but torch sees no CUDA device")
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        # Before the first CUDA allocation. Here, not at import: a process that imports this module would
+        # pass it to every vLLM it starts. At a batch near the plan's, the default allocator's fragmentation
+        # (10.7 GiB reserved but free on an H200, Kimi width) turned a step that fits into an OOM.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SET_BY_MAIN
     if use_cuda:
         torch.cuda.set_device(device)
     if use_cuda and args.eval_vllm and not any("gpu-memory-utilization" in a for a in args.eval_arg):
