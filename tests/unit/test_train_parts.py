@@ -79,3 +79,16 @@ def test_memory_lean_step_has_the_plain_steps_loss_and_gradients():
         got = dict(draft.named_parameters())[name].grad
         assert g.abs().max() > 0, name
         torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_importing_the_trainer_leaves_the_environment_alone():
+    """train.py sets the CUDA allocator's expandable segments in main on a GPU only: set at import, it went
+    from the importing process (a test run) into every vLLM it started, and vLLM refuses a KV connector
+    under it (CI's extraction tests failed so)."""
+    import os
+    import subprocess
+
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); before = dict(os.environ); import train; "
+            "sys.exit(dict(os.environ) != before)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    assert subprocess.run([sys.executable, "-c", code, str(REMOTE)], env=env, timeout=120).returncode == 0
