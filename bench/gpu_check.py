@@ -50,8 +50,8 @@ def real_step(args):
     H, V, Vd = d["hidden"], d["vocab"], d["draft_vocab"]
     shape = train_plan.DraftShape(**{k2: d[k2] for k2 in ("hidden", "intermediate", "heads", "kv_heads",
                                                             "head_dim", "draft_vocab", "vocab")})
+    gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
     if args.plan_batch:  # the batch train.py's --batch-tokens auto picks on this GPU, in samples of T tokens
-        gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
         auto = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=gpu_gb, ttt=k, batch_tokens="auto", max_len=T,
                                online=False, ddp=True)
         B = auto["batch_tokens"] // T
@@ -91,13 +91,12 @@ def real_step(args):
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device)
     planned = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=1e6, ttt=k, batch_tokens=B * T, max_len=T,
-                              online=False,
-                              ddp=True)["peak_gb"] * 1e9
+                              online=False, ddp=True)["peak_gb"] * 1e9
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     row(step=f"a: NCCL train, Kimi-width draft, {B}x{T} tokens", ok=True, tokens=B * T, ttt_steps=k,
         s_per_step=round(steady, 3), tokens_per_s=round(B * T / steady), max_memory_allocated_gb=round(peak / 1e9, 2),
         plan_gb=round(planned / 1e9, 2), plan_over_measured=round(planned / peak, 3),
-        gpu_gb=round(torch.cuda.get_device_properties(device).total_memory / 1e9, 1),
+        gpu_gb=round(gpu_gb, 1),
         loss=round(totals[0].item(), 4), backend=dist.get_backend())
     train.leave_process_group()
 

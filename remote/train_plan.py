@@ -12,7 +12,7 @@ ttt_objective.py) keeps: per token, the inputs (ids, the aux and last states, th
 logits over the draft vocabulary) and, for each TTT step, its output state, keys and values
 (the step itself is checkpointed); plus one step's recomputed activations while its backward
 runs (its saved tensors, and their gradients: BACKWARD_FACTOR, measured on the CPU). On a CPU host,
-where memory does not bind and the recompute costs a fifth of the step, no step is recomputed and
+where memory does not bind and skipping the recompute saves a third of the step, no step is recomputed and
 every step's saved tensors are counted. The
 loss and vocabulary chunks cost a fixed amount, not per token. tests/torch/test_memory_plan.py checks
 the per-token figure against the peak RSS of real steps at a reduced width (within 25 %). On CUDA the
