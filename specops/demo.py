@@ -32,7 +32,7 @@ TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examp
 # there (0.05 and 0.5 gain less; weight decay 0.1, state noise 0.05 and the target's greedy answers as
 # data do not help). Within the 5 minutes this recipe plateaus at 3.83-3.85 on 435 unseen prompts, and
 # 16000 rows, an MLP of 512, --ttt-decay 0.6, 4096-token batches or fc starting as the last state's
-# pass-through do not lift it past seed noise (+-0.01); an MLP of 1024 does (3.85), in 7.5 minutes.
+# pass-through do not lift it past seed noise (+-0.01); an MLP of 1024 does (3.85), in 7.7 minutes.
 TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05",
                      "--draft-vocab", "256", "--max-len", "512", "--label-temperature", "0.2"]
 TRAIN_STEPS = 1800
