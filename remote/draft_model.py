@@ -16,6 +16,11 @@ formulation: a causal attention over step 0 (a fused kernel, no mask tensor)
 merged by log-sum-exp with i per-slot scores, so no k*T-wide key set and no
 dense mask exist, and memory stays linear in T.
 
+Work: a slot's output feeds only its own slot's next step, so slots no step
+scores from here on (prompts, padding: a third of the demo's tokens) skip the
+MLP, the layer's widest part; their keys and values, which later slots attend
+to, are still computed. The loss and gradients are exactly those of every slot.
+
 Memory at scale (a 7168-wide draft, 16k tokens): each TTT step runs under
 activation checkpointing and hands its output to an `objective` inside the
 checkpoint, so across steps only each step's output state and its keys/values
@@ -220,13 +225,20 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, embeds, hidden, cos, sin, ttt_cache):
-        """Returns (the pre-norm output hidden state [B, T, H] (what vLLM feeds to the next draft step), k, v)."""
+    def forward(self, embeds, hidden, cos, sin, ttt_cache, rows=None):
+        """Returns (the pre-norm output hidden state [B, T, H] (what vLLM feeds to the next draft step), k, v).
+
+        rows: the flat slot indices (into B*T) whose output is used: the MLP runs on those only, and
+        the other slots' outputs lack it (None: every slot)."""
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         attn, k, v = self.self_attn(x, cos, sin, ttt_cache)
         residual = residual + attn
-        return residual + self.mlp(self.post_attention_layernorm(residual)), k, v
+        if rows is None:
+            return residual + self.mlp(self.post_attention_layernorm(residual)), k, v
+        flat = residual.reshape(-1, residual.shape[-1])
+        out = flat.index_add(0, rows, self.mlp(self.post_attention_layernorm(flat.index_select(0, rows))).to(flat.dtype))
+        return out.view_as(residual), k, v
 
 
 class Eagle3Draft(nn.Module):
@@ -248,9 +260,12 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("draft_to_target", draft_to_target.long().clone())
         self.rotary = LlamaRotaryEmbedding(c.llama_config())
 
-    def forward(self, input_ids, aux_hidden, ttt_steps: int, objective=None, checkpoint: bool = True) -> list:
+    def forward(self, input_ids, aux_hidden, ttt_steps: int, objective=None, checkpoint: bool = True,
+                used=None) -> list:
         """input_ids [B, T] target ids; aux_hidden [B, T, 3H]. Returns ttt_steps x objective(i, hidden),
         hidden [B, T, H] being step i's pre-norm output; the default objective gives (logits [B, T, Vd],).
+        used: per step, the [B, T] bool slots whose output the objective (or a later step) reads;
+        the others skip the MLP (see MidLayer). None: all slots are exact.
 
         Step i's slot t predicts token t+2+i; slots past the end read token id 0 (callers mask them).
         With `checkpoint` (and grad enabled) each step, objective included, is recomputed in backward:
@@ -266,7 +281,8 @@ class Eagle3Draft(nn.Module):
                 next_ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i), value=0)[:, :T]  # token t+1+i at slot t
                 cos, sin = self.rotary(hidden, positions + i)
                 pairs = list(zip(cache[0::2], cache[1::2]))
-                out, k, v = self.midlayer(self.embed_tokens(next_ids), hidden, cos, sin, pairs)
+                rows = None if used is None else used[i].flatten().nonzero().squeeze(1)
+                out, k, v = self.midlayer(self.embed_tokens(next_ids), hidden, cos, sin, pairs, rows)
                 return (out, k, v, *objective(i, out))
 
             flat = [t for kv in ttt_cache for t in kv]

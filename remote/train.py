@@ -581,7 +581,8 @@ def main(argv=None):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             # Recompute each TTT step in backward on a GPU, where memory binds; a CPU host keeps every step's
             # tensors (train_plan counts them so: recompute=False) and saves a third of the step's time (0.24 -> 0.16 s on the demo).
-            per_step = net(input_ids, states.aux, args.ttt_steps, objective, checkpoint=use_cuda)
+            per_step = net(input_ids, states.aux, args.ttt_steps, objective, checkpoint=use_cuda,
+                           used=objective.used_slots(args.ttt_steps))
         return objective, per_step, input_ids, attention, loss_mask
 
     val_batches = cut_batches(val_index, lengths, args.batch_tokens)[rank::world]

@@ -66,6 +66,19 @@ class SoftCrossEntropy:
         self.chunk_rows = chunk_rows or ce_chunk_rows(Vd)
         self.hit_maps, self.valid_maps = {}, {}  # step i -> [B, T] bool per slot (acceptance.py's chains)
 
+    def used_slots(self, steps: int) -> list[torch.Tensor]:
+        """Per step i, the [B, T] bool slots whose step-i output matters: scored at step i or later (a slot's
+        output feeds only its own slot's next step). Prompt and padding slots are the rest."""
+        B, T = self.loss_mask.shape
+        scored = torch.zeros_like(self.loss_mask)
+        used = []
+        for i in reversed(range(steps)):
+            n = max(T - 2 - i, 0)
+            scored = scored.clone()
+            scored[:, :n] |= self.loss_mask[:, 2 + i : 2 + i + n]
+            used.append(scored)
+        return used[::-1]
+
     def __call__(self, i: int, hidden: torch.Tensor):
         B, T, H = hidden.shape
         n = max(T - 2 - i, 0)
@@ -93,7 +106,7 @@ class SoftCrossEntropy:
         return self.decay**i * ce_sum / keep.sum().clamp(min=1), correct, mask.sum()
 
     def _chunk(self, flat, rows, targets, keep):
-        log_q = self.draft.lm_head(self.draft.norm(flat[rows])).float().log_softmax(-1)
+        log_q = self.draft.lm_head(self.draft.norm(flat.index_select(0, rows))).float().log_softmax(-1)
         p = self.target_vd[targets].float().softmax(-1)
         ce = -(p * log_q).sum(-1)
         hit = self.vocab_ids[log_q.argmax(-1)] == self.target_top[targets]  # per row: acceptance.py's chains

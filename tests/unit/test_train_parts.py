@@ -30,10 +30,13 @@ def test_exporter_refuses_any_other_tensor_set():
         export_tensors(draft, torch.float32)
 
 
-def test_memory_lean_step_has_the_plain_steps_loss_and_gradients():
-    """Checkpointed steps, diagonal attention, chunked soft cross-entropy, draft-vocab target logits: the
-    same loss, accuracy counts and gradients as the plain step, on the tiny target's shape (chunks made
-    small so every chunked path runs several times)."""
+@pytest.mark.parametrize("checkpoint, skip_unused", [(True, True), (False, True), (True, False)],
+                         ids=["gpu-path", "cpu-path", "every-slot"])
+def test_memory_lean_step_has_the_plain_steps_loss_and_gradients(checkpoint, skip_unused):
+    """Checkpointed steps (or not: the CPU path), diagonal attention, chunked soft cross-entropy,
+    draft-vocab target logits, the MLP on used slots only: the same loss, accuracy counts and gradients
+    as the plain step, on the tiny target's shape (chunks made small so every chunked path runs several
+    times; prompt and padding slots skip the MLP)."""
     torch.manual_seed(0)
     H, V, Vd, B, T, k = 128, 576, 24, 2, 48, 4
     c = DraftConfig(hidden_size=H, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -47,7 +50,9 @@ def test_memory_lean_step_has_the_plain_steps_loss_and_gradients():
     in_vocab[vocab_ids] = True
     input_ids = torch.randint(0, V, (B, T))
     aux = torch.randn(B, T, 3 * H)
-    loss_mask = (torch.rand(B, T) < 0.7).long()
+    # Like conversations: a prompt, an answer, a second turn's prompt and answer; then padding.
+    loss_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask[0, 8:28] = loss_mask[0, 34:48] = loss_mask[1, 12:36] = 1
     # The target agrees with the draft's first guess on some tokens and puts its argmax outside the draft
     # vocab on others, so accuracy counts and the loss's in-vocab filter both have something to count.
     normed, head = torch.randn(B, T, H) * 0.1, torch.randn(V, H) * 0.1
@@ -68,7 +73,10 @@ def test_memory_lean_step_has_the_plain_steps_loss_and_gradients():
     target_vd, target_top = target_distribution(normed, head, head[vocab_ids], vocab_chunk=37)
     assert torch.equal(target_top, (normed @ head.T).argmax(-1))
     objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8, chunk_rows=7)
-    per_step = draft(input_ids, aux, k, objective)
+    used = objective.used_slots(k) if skip_unused else None
+    if skip_unused:
+        assert 0.1 < 1 - used[0].float().mean() and used[-1].sum() < used[0].sum()  # some slots skip
+    per_step = draft(input_ids, aux, k, objective, checkpoint=checkpoint, used=used)
     loss = sum(r[0] for r in per_step)
     loss.backward()
     assert ref_counted.sum() > ref_correct.sum() > 0  # the accuracy counts are not trivially all or nothing
