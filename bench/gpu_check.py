@@ -31,8 +31,9 @@ def row(**fields):
 
 def real_step(args):
     """NCCL (torchrun, process group as train.py starts it) training steps of a Kimi-width draft, with the
-    trainer's own step (checkpointed TTT, lean objective, bf16 autocast, DDP, the metrics all-reduce on the
-    model's device); tokens/s and peak torch.cuda.max_memory_allocated against the plan's figure."""
+    trainer's own step (checkpointed TTT, the MLP skipped on prompt slots, lean objective, bf16 autocast,
+    DDP, the metrics all-reduce on the model's device); tokens/s and peak torch.cuda.max_memory_allocated
+    against the plan's figure."""
     import torch
     import torch.distributed as dist
 
@@ -71,6 +72,7 @@ def real_step(args):
     aux = torch.randn(B, T, 3 * H, device=device, dtype=torch.bfloat16)
     last = torch.randn(B, T, H, device=device, dtype=torch.bfloat16)
     mask = torch.ones(B, T, dtype=torch.long, device=device)
+    mask[:, : T // 4] = 0  # a prompt: its slots skip the MLP, as in train.py (index_select/index_add in bf16)
     torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
@@ -79,7 +81,7 @@ def real_step(args):
         target_vd, target_top = target_distribution(last, head, head_vd)
         objective = SoftCrossEntropy(draft, target_vd, target_top, mask, vocab_ids, in_vocab, 0.8)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            per_step = model(ids, aux, k, objective)
+            per_step = model(ids, aux, k, objective, used=objective.used_slots(k))
         loss = sum(r[0] for r in per_step)
         opt.zero_grad(set_to_none=True)
         loss.backward()

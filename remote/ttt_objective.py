@@ -66,23 +66,26 @@ class SoftCrossEntropy:
         self.chunk_rows = chunk_rows or ce_chunk_rows(Vd)
         self.hit_maps, self.valid_maps = {}, {}  # step i -> [B, T] bool per slot (acceptance.py's chains)
 
+    def scored(self, i: int) -> torch.Tensor:
+        """[B, T] bool: the slots step i scores (slot t predicts token t+2+i: scored where that token has loss)."""
+        T = self.loss_mask.shape[1]
+        n = max(T - 2 - i, 0)
+        mask = torch.zeros_like(self.loss_mask)
+        mask[:, :n] = self.loss_mask[:, 2 + i : 2 + i + n]
+        return mask
+
     def used_slots(self, steps: int) -> list[torch.Tensor]:
         """Per step i, the [B, T] bool slots whose step-i output matters: scored at step i or later (a slot's
         output feeds only its own slot's next step). Prompt and padding slots are the rest."""
-        B, T = self.loss_mask.shape
-        scored = torch.zeros_like(self.loss_mask)
-        used = []
+        used, later = [], torch.zeros_like(self.loss_mask)
         for i in reversed(range(steps)):
-            n = max(T - 2 - i, 0)
-            scored = scored.clone()
-            scored[:, :n] |= self.loss_mask[:, 2 + i : 2 + i + n]
-            used.append(scored)
+            later = later | self.scored(i)
+            used.append(later)
         return used[::-1]
 
     def __call__(self, i: int, hidden: torch.Tensor):
         B, T, H = hidden.shape
-        n = max(T - 2 - i, 0)
-        mask = self.loss_mask[:, 2 + i : 2 + i + n]
+        mask = self.scored(i)
         b, t = mask.nonzero(as_tuple=True)
         rows = b * T + t  # this step's slot t ...
         targets = rows + 1 + i  # ... is scored against the target at position t+1+i
