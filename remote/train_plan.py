@@ -108,6 +108,8 @@ def step_activation_bytes(s: DraftShape, tokens: int, ttt: int, act: int = 2, st
         step = ttt * step - ttt * (H + 2 * K) * act
     rows = chunk_rows or max(1, CE_CHUNK_BYTES // (4 * Vd))
     loss_chunk = 5 * min(rows, tokens) * Vd * 4  # logits, log-softmax, softmax, product, gradient: fixed size
+    if not recompute:  # nor is the loss: every step's rows keep their log-softmax, target softmax and head input
+        loss_chunk += ttt * tokens * (2 * Vd + 3 * H) * 4
     step_phase = (kept + cache_grads + step) * tokens + loss_chunk
     # before the forward: the target's logits a vocabulary chunk at a time, next to the inputs
     target_phase = (inputs + min(vocab_chunk, s.vocab) * 4) * tokens

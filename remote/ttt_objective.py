@@ -56,8 +56,10 @@ class SoftCrossEntropy:
     """
 
     def __init__(self, draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, decay: float,
-                 chunk_rows: int | None = None):
-        self.draft, self.decay = draft, decay
+                 chunk_rows: int | None = None, recompute: bool = True):
+        """recompute: each chunk's logits are recomputed in backward, not kept (a GPU's memory binds; on a
+        CPU, where the TTT steps keep their tensors too, keeping them saves the head's second pass)."""
+        self.draft, self.decay, self.recompute = draft, decay, recompute
         B, T, Vd = target_vd.shape
         self.T, self.Vd = T, Vd
         self.target_vd = target_vd.reshape(B * T, Vd)
@@ -95,8 +97,9 @@ class SoftCrossEntropy:
         hits = []
         for a in range(0, len(rows), self.chunk_rows):
             part = slice(a, a + self.chunk_rows)
-            ce, hit = torch.utils.checkpoint.checkpoint(
-                self._chunk, flat, rows[part], targets[part], keep[part], use_reentrant=False)
+            chunk = (rows[part], targets[part], keep[part])
+            ce, hit = torch.utils.checkpoint.checkpoint(self._chunk, flat, *chunk, use_reentrant=False) \
+                if self.recompute else self._chunk(flat, *chunk)
             ce_sum = ce_sum + ce
             hits.append(hit)
         hit_rows = torch.cat(hits) if hits else rows.new_zeros(0, dtype=torch.bool)

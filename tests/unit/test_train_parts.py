@@ -33,7 +33,7 @@ def test_exporter_refuses_any_other_tensor_set():
 @pytest.mark.parametrize("checkpoint, skip_unused", [(True, True), (False, True), (True, False)],
                          ids=["gpu-path", "cpu-path", "every-slot"])
 def test_memory_lean_step_has_the_plain_steps_loss_and_gradients(checkpoint, skip_unused):
-    """Checkpointed steps (or not: the CPU path), diagonal attention, chunked soft cross-entropy,
+    """Checkpointed steps and loss chunks (or neither: the CPU path), diagonal attention, chunked soft cross-entropy,
     draft-vocab target logits, the MLP on used slots only: the same loss, accuracy counts and gradients
     as the plain step, on the tiny target's shape (chunks made small so every chunked path runs several
     times; prompt and padding slots skip the MLP)."""
@@ -72,7 +72,8 @@ def test_memory_lean_step_has_the_plain_steps_loss_and_gradients(checkpoint, ski
 
     target_vd, target_top = target_distribution(normed, head, head[vocab_ids], vocab_chunk=37)
     assert torch.equal(target_top, (normed @ head.T).argmax(-1))
-    objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8, chunk_rows=7)
+    objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8, chunk_rows=7,
+                                 recompute=checkpoint)
     used = objective.used_slots(k) if skip_unused else None
     if skip_unused:
         assert 0.1 < 1 - used[0].float().mean() and used[-1].sum() < used[0].sum()  # some slots skip
