@@ -14,7 +14,7 @@ logits over the draft vocabulary) and, for each TTT step, its output state, keys
 runs (its saved tensors, and their gradients: BACKWARD_FACTOR, measured on the CPU). On a CPU host,
 where memory does not bind and skipping the recompute saves a third of the step, no step is recomputed and
 every step's saved tensors are counted. The
-loss and vocabulary chunks cost a fixed amount, not per token. tests/torch/test_memory_plan.py checks
+loss chunks (on a GPU) and vocabulary chunks cost a fixed amount, not per token. tests/torch/test_memory_plan.py checks
 the per-token figure against the peak RSS of real steps at a reduced width (within 25 %). On CUDA the
 count is scaled by CUDA_ACTIVATION_FACTOR, measured on an H200 by bench/gpu_check.sh.
 

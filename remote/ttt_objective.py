@@ -8,7 +8,7 @@ k TTT steps, fp32 logits and log-softmax over the draft vocabulary kept for back
 - `target_distribution`: the target's logits over the draft vocabulary only (its head's
   Vd rows), and its full-vocabulary argmax found chunk by chunk of the vocabulary;
 - `SoftCrossEntropy`: the per-step loss over the loss-masked tokens only, in chunks of
-  rows, each chunk recomputed in backward: no [T, Vd] fp32 tensor outlives its chunk.
+  rows, each chunk recomputed in backward on a GPU: no [T, Vd] fp32 tensor outlives its chunk.
 
 The numbers are the plain objective's (train.py's docstring of the loss says which), to
 rounding; tests/unit/test_train_parts.py checks loss and gradients against it.
