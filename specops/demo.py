@@ -44,9 +44,10 @@ TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examp
 # Most misses are letters where the target itself errs ("g r a g e -> G R A N G E"): to guess those the draft
 # must redo the target's next step. A second draft layer (vLLM loads them) did not: 3.79 where one measured
 # 3.82 on the same 100 rows (MLP 256, 1800 steps, 5.8 minutes). What binds is the budget: twice the steps
-# (3600, 9-10 minutes) measure 3.841 and 3.855 for seeds 0 and 1. The step cannot get much cheaper here: tokens/s is flat from
-# 1024- to 4096-token batches (1024 x 3100 steps in the same time: 3.807), and bf16 (the CPU has avx512_bf16)
-# or torch.compile gain nothing net. The target's greedy answers as data, on these rows: +0.014 and -0.008.
+# (3600, 9-10 minutes) measure 3.841 and 3.855 for seeds 0 and 1. The step cannot get much cheaper here:
+# tokens/s is flat from 1024- to 4096-token batches (1024 x 3100 steps in the same time: 3.807), and bf16
+# (the CPU has avx512_bf16) or torch.compile gain nothing net. The target's greedy answers as data, on these
+# rows: +0.014 and -0.008.
 TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05",
                      "--draft-vocab", "256", "--max-len", "512", "--label-temperature", "0.2",
                      "--draft-intermediate", "768"]
