@@ -31,8 +31,8 @@ TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examp
 # acceptance, which takes the target's argmax: labels sharpened to temperature 0.2 gain 0.07-0.11
 # there (0.05 and 0.5 gain less; weight decay 0.1, state noise 0.05 and the target's greedy answers as
 # data do not help: +0.014/-0.008 on the 400 held-out rows below). Within the 5 minutes the draft's width
-# is what lifts it: on 435 unseen prompts, two seeds each, the target's MLP width (256) measures 3.840/3.827, 768 3.847/3.845 (4.3 minutes:
-# prompt slots skip the MLP), 1024 3.854/3.845 (5.2 minutes, over budget) and 3.83 cut to 1500 steps.
+# is what lifts it: on 435 unseen prompts, two seeds each, the target's MLP width (256) measures
+# 3.840/3.827, 768 3.847/3.845 (4.3 minutes: prompt slots skip the MLP), 1024 3.854/3.845 (5.2 minutes, over budget) and 3.83 cut to 1500 steps.
 # 16000 rows, --ttt-decay 0.6, 1024- or 4096-token batches, fc starting as the last state's
 # pass-through, data sampled at temperature 1.0, --grad-clip 1.0 and Adam beta2 0.95 do not move it past
 # seed noise (768 wide, 8 runs: 3.837-3.847). Those unseen prompts were not the domain's mix: its word list is
