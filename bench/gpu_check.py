@@ -65,7 +65,11 @@ def real_step(args):
     head = (torch.randn(V, H, device=device) * 0.02).to(torch.bfloat16)
     head_vd = head[vocab_ids]
     model = torch.nn.parallel.DistributedDataParallel(draft)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+    if args.optimizer == "muon":  # its Newton-Schulz iterations in bf16 on every matrix: the cost to weigh
+        from muon import MuonAdamW
+        opt = MuonAdamW(draft.named_parameters(), muon_lr=0.02, adam_lr=1e-4)
+    else:
+        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
     in_vocab = torch.zeros(V, dtype=torch.bool, device=device)
     in_vocab[vocab_ids] = True
     ids = torch.randint(0, V, (B, T), device=device)
@@ -95,7 +99,7 @@ def real_step(args):
     planned = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=1e6, ttt=k, batch_tokens=B * T, max_len=T,
                               online=False, ddp=True)["peak_gb"] * 1e9
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-    row(step=f"a: NCCL train, Kimi-width draft, {B}x{T} tokens", ok=True, tokens=B * T, ttt_steps=k,
+    row(step=f"a: NCCL train, Kimi-width draft, {B}x{T} tokens, {args.optimizer}", ok=True, tokens=B * T, ttt_steps=k,
         s_per_step=round(steady, 3), tokens_per_s=round(B * T / steady), max_memory_allocated_gb=round(peak / 1e9, 2),
         plan_gb=round(planned / 1e9, 2), plan_over_measured=round(planned / peak, 3),
         gpu_gb=round(gpu_gb, 1),
@@ -204,6 +208,7 @@ def main():
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--plan-batch", action="store_true", help="as many sequences as the plan's auto batch holds")
     p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     sub.add_parser("attention-check")
     p = sub.add_parser("kimi-target")
     p.add_argument("tiny")

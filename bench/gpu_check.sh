@@ -7,7 +7,8 @@
 #   1. the tiny model (remote/make_tiny_model.py) and a tiny Kimi-K2-shaped target (DeepSeek-V3 MLA + MoE)
 #   2. the diagonal attention's CUDA kernels (flash/efficient lse) against plain matmuls and the dense mask
 #   3. (a) torchrun --nproc-per-node 1, NCCL: the trainer's step on a real-width draft (H 7168, Vd 32000,
-#      T 8192, 7 TTT steps), then at the batch the plan picks for this GPU: tokens/s,
+#      T 8192, 7 TTT steps; AdamW, then Muon: its Newton-Schulz cost), then at the batch the plan picks for this
+#      GPU: tokens/s,
 #      torch.cuda.max_memory_allocated against the plan;
 #      and remote/train.py itself under torchrun on the tiny target (process group, DDP, metrics all-reduce,
 #      greedy held-out replay, --eval-vllm: a vLLM measuring checkpoints beside the NCCL job)
@@ -23,8 +24,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 WORK=${GPU_CHECK_WORK:-/tmp/specops-gpu-check}
-NEEDS=(remote/train.py remote/train_plan.py remote/draft_model.py remote/ttt_objective.py remote/extract.py
-       remote/eval.py remote/make_tiny_model.py remote/states_dir.py bench/gpu_check.py bench/kimi-k2/config.json
+NEEDS=(remote/train.py remote/train_plan.py remote/draft_model.py remote/ttt_objective.py remote/muon.py
+       remote/extract.py remote/eval.py remote/make_tiny_model.py remote/states_dir.py bench/gpu_check.py bench/kimi-k2/config.json
        requirements/gpu.txt requirements/remote.txt specops/service_spec.py tests/helpers/kimi.py)
 STEPS=("install" "models" "attention" "train" "extract" "eval")
 
@@ -37,7 +38,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
     py=$(command -v python3)
     [[ -x .venv/bin/python ]] && py=.venv/bin/python
     "$py" -m py_compile bench/gpu_check.py remote/train.py remote/train_plan.py remote/draft_model.py \
-        remote/ttt_objective.py || missing=1
+        remote/ttt_objective.py remote/muon.py || missing=1
     "$py" remote/train.py --plan --target bench/kimi-k2 --states - --gpu-gb 141 --gpus 1 >/dev/null || missing=1
     bash -n "$0" || missing=1
     [[ $missing == 0 ]] && echo "dry run: ok" || echo "dry run: FAILED"
@@ -94,6 +95,8 @@ step attention 120 $PY bench/gpu_check.py attention-check
 # 3. (a) NCCL training: real width, then train.py itself on the tiny target (its draft is step 5's)
 step real_width 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_check.py real-step \
     --steps 4 --tokens 8192
+step real_width_muon 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_check.py \
+    real-step --steps 4 --tokens 8192 --optimizer muon
 step plan_batch 240 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_check.py real-step \
     --steps 2 --tokens 4096 --plan-batch
 rm -rf "$WORK/run"
@@ -101,7 +104,7 @@ EVAL_VLLM=(--eval-vllm --eval-arg=--max-model-len=1024 --eval-arg=--vllm-arg=--g
 [[ $VLLM == 1 ]] || EVAL_VLLM=()
 step train_tiny 300 $PY -m torch.distributed.run --standalone --nproc-per-node 1 remote/train.py \
     --target "$WORK/tiny" --data "$WORK/chat.jsonl" --out "$WORK/run" --steps 200 --lr 1e-2 --ttt-steps 3 \
-    --batch-tokens 2048 --val-fraction 0.1 --eval-every 100 "${EVAL_VLLM[@]}"
+    --optimizer muon --batch-tokens 2048 --val-fraction 0.1 --eval-every 100 "${EVAL_VLLM[@]}"
 [[ $VLLM == 1 && -f "$WORK/run/evals.jsonl" ]] && $PY -c 'import json,sys; e=[json.loads(l) for l in open(sys.argv[1])]; print(json.dumps({"step": "a: vLLM beside NCCL training (predicted vs measured AL)", "ok": all("measured_al" in x for x in e), "evals": [{k: x.get(k) for k in ("step", "val_sim_al", "measured_al", "measured_error")} for x in e]}))' "$WORK/run/evals.jsonl" >> "$ROWS"
 $PY remote/train.py --plan --target bench/kimi-k2 --states - --gpus 8 > "$WORK/plan.txt" && head -1 "$WORK/plan.txt" \
     | $PY -c 'import json,sys; p=json.load(sys.stdin); print(json.dumps({"step": "plan: Kimi-K2 on 8 of this GPU", "ok": p["fits"], "batch_tokens": p["batch_tokens"], "peak_gb": p["peak_gb"], "tokens_per_s": p["tokens_per_s"]}))' >> "$ROWS"

@@ -33,6 +33,7 @@ import acceptance
 import held_out as held_out_data
 from chat_render import ChatRenderer, data_files, load_samples
 from draft_model import DraftConfig, Eagle3Draft, export
+from muon import MuonAdamW
 from batching import cut_batches, held_out_rows, rank_batches, steps_in_epochs
 from states_from_shards import ShardTargetStates
 import train_plan
@@ -90,7 +91,11 @@ def parse_args(argv=None):
     length = ap.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
     length.add_argument("--steps", type=int, help="optimizer steps")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate (with --optimizer muon: the "
+                                                            "norms' and the head's)")
+    ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                    help="muon: Muon for the draft's hidden matrices at --muon-lr, AdamW for the rest (remote/muon.py)")
+    ap.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (with --optimizer muon)")
     ap.add_argument("--head-init", choices=["target", "random"], default="target",
                     help="the draft's final norm and lm_head start as the target's (default) or at random")
     ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps with a linear warmup")
@@ -220,7 +225,8 @@ def fingerprint(args, world: int, aux_ids, total_steps: int) -> dict:
         "draft_vocab": args.draft_vocab, "aux_layer_ids": list(aux_ids), "total_steps": total_steps,
         "lr": args.lr, "warmup": args.warmup, "grad_clip": args.grad_clip, "dtype": args.dtype,
         "include_truncated": args.include_truncated, "val_fraction": args.val_fraction, "head_init": args.head_init,
-    }
+        **({"optimizer": args.optimizer, "muon_lr": args.muon_lr} if args.optimizer != "adamw" else {}),
+    }  # AdamW runs leave the optimizer out, so checkpoints from before --optimizer still resume
 
 
 def rng_state() -> dict:
@@ -257,6 +263,10 @@ def truncate_metrics(path: str, step: int) -> None:
         f.writelines(keep)
 
 
+def optimizer_card(args) -> str:
+    return f"lr {args.lr}" if args.optimizer == "adamw" else f"Muon lr {args.muon_lr}, AdamW lr {args.lr}"
+
+
 def model_card(args, target, stats, vocab_size, draft_vocab_size, aux_ids, step, metrics) -> str:
     acc = ", ".join(f"{metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("acc_"))
     spec = json.dumps({"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3})
@@ -270,7 +280,7 @@ embeddings are the target's, left out of this checkpoint).
 | target | `{args.target}` ({target.config.num_hidden_layers} layers, hidden {target.config.hidden_size}) |
 | data | {", ".join(f"`{p}`" for p in data_files(args.data))} |
 | rows / samples / tokens | {stats["rows"]} / {stats["samples"]} / {stats["tokens"]} ({stats["loss_tokens"]} trained on) |
-| steps | {step} (batch {args.batch_tokens} tokens, lr {args.lr}, seed {args.seed}) |
+| steps | {step} (batch {args.batch_tokens} tokens, {optimizer_card(args)}, seed {args.seed}) |
 | draft vocabulary | {draft_vocab_size} of {vocab_size} |
 | aux layer ids (vLLM: input of layer k) | {aux_ids} |
 | TTT | {args.ttt_steps} steps, decay {args.ttt_decay} |
@@ -529,7 +539,10 @@ def main(argv=None):
             draft.norm.weight.copy_(target.normed(torch.ones(1, 1, H, device=device, dtype=head_vd.dtype)).flatten())
             draft.lm_head.weight.copy_(head_vd)
 
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    if args.optimizer == "muon":
+        opt = MuonAdamW(draft.named_parameters(), muon_lr=args.muon_lr, adam_lr=args.lr)
+    else:
+        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     warmup = math.ceil(args.warmup * total_steps)
 
     def lr_factor(step):  # linear warmup, then cosine to zero

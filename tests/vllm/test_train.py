@@ -155,8 +155,9 @@ def test_export_is_exactly_what_vllm_loads(trained_run, tiny_model):
     assert str(tiny_model) in card and "| steps | 300 " in card and "simulated acceptance length" in card
 
 
-def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tiny_model, generated_data, tmp_path):
-    args = ["--steps", "60", "--save-every", "5", "--batch-tokens", "512"]
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tiny_model, generated_data, tmp_path, optimizer):
+    args = ["--steps", "60", "--save-every", "5", "--batch-tokens", "512", "--optimizer", optimizer]
     whole = train(tiny_model, generated_data, tmp_path / "whole", *args)
 
     cut = tmp_path / "cut"
