@@ -31,6 +31,7 @@ TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examp
 # Measured in vLLM on the 400 held-out rows (4 in 10 are word tasks; 100 rows swung 3.82-3.86 with the seed), seeds 0/1:
 # AdamW at lr 1e-2 3.803/3.831; Muon for the hidden matrices (remote/muon.py, lr 0.02) 3.851/3.859, predicted
 # 3.863/3.869, in 281-299 s of steps (6 runs; AdamW's 276-283). Muon at lr 0.01 measured the same, at 0.04 0.007 lower.
+# A fresh demo's own data (sampled anew) reads lower: AdamW 3.815 (seed 0), Muon 3.840/3.847, predicted 3.850/3.856.
 # Under AdamW nothing else moved it past the seeds' spread: on these rows MLP 1024, 4 kv heads, --ttt-decay 1.0, lr 5e-3
 # or 2e-2, 1024-token batches, --dtype bf16, the target's greedy answers as data (+0.014/-0.008); on 435 unseen prompts
 # --ttt-decay 0.6, 4096-token batches, weight decay 0.1, state noise, grad clip 1.0, Adam beta2 0.95. A second draft
