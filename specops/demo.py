@@ -45,9 +45,9 @@ TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examp
 # rows (about 173/153 word tasks in 400, not 141/147), where the same recipe read 3.835/3.845. Under Muon a constant lr
 # with a linear cooldown (-0.006) and weight decay 0.03/0.1 (+0.000/+0.004) did not move it (seed 0); nor did
 # EAGLE-3.1's per-layer fc_norm (-0.002), a trainable embedding table (-0.003) or --ttt-steps 2 for 2700 steps (3.40
-# at K=3: the third draft step needs training). fc_norm with norm_output predicted 3.850 but measured 3.805 (draft
-# steps 2-3 accept 0.96, not 0.977; not diagnosed). 16000 rows with 800 held out measured 3.842/3.846; 3600 Muon
-# steps (577 s) 3.851.
+# at K=3: the third draft step needs training). fc_norm with norm_output predicted 3.850 but measured 3.805 (vLLM's
+# draft steps 2-3 accept 0.96 where the plain draft's accept 0.97; not diagnosed). 16000 rows with 800 held out
+# measured 3.842/3.846; 3600 Muon steps (577 s) 3.851.
 TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05",
                      "--draft-vocab", "256", "--max-len", "512", "--label-temperature", "0.2",
                      "--draft-intermediate", "768", "--optimizer", "muon"]
