@@ -7,8 +7,9 @@
 
 Reads top to bottom: data (conversations rendered with the target's own chat
 template, draft vocabulary), target states (the frozen target run online on
-each batch, or with --states the shards vLLM wrote plus the target's head
-alone: states_from_shards.py), draft, optimizer, the loop (training-time-test loss,
+each batch, its states kept per sample after the first epoch on a CPU; or
+with --states the shards vLLM wrote plus the target's head alone:
+states_from_shards.py), draft, optimizer, the loop (training-time-test loss,
 metrics, checkpoints), export.
 
 Writes only under --out: metrics.jsonl (one line per step), checkpoint.pt
@@ -37,7 +38,7 @@ from muon import MuonAdamW
 from batching import cut_batches, held_out_rows, rank_batches, steps_in_epochs
 from states_from_shards import ShardTargetStates
 import train_plan
-from target_states import OnlineTargetStates, TargetStates
+from target_states import CachedTargetStates, OnlineTargetStates, TargetStates
 from ttt_objective import SoftCrossEntropy, target_distribution
 import report
 from script import PROGRESS_EVERY_S, Refused, main_of, progress
@@ -184,6 +185,14 @@ def draft_vocab(samples, vocab_size: int, size: int) -> torch.Tensor:
         counts.index_add_(0, ids, torch.ones_like(ids))
     order = sorted(range(vocab_size), key=lambda i: (-counts[i].item(), i))
     return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
+def state_cache_budget() -> int:
+    """Bytes of target states a CPU run keeps: a quarter of the memory free when training starts."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError):
+        return 0
 
 
 def collate(samples, index: list[int], pad_id: int, device):
@@ -483,6 +492,8 @@ def main(argv=None):
                                                 int(args.epochs or 1))
         else:
             target = OnlineTargetStates(args.target, args.aux_layers, device, dtype, args.trust_remote_code)
+            if not use_cuda:  # a CPU run's epochs ask the same rows again: keep what the target said of them
+                target = CachedTargetStates(target, state_cache_budget())
     except (OSError, ValueError) as e:
         raise Refused(str(e)) from None
     # The held-out prediction's samples: with the target at hand, its greedy continuations of the held-out

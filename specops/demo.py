@@ -23,34 +23,34 @@ from .inventory import Host
 TINY_MODEL_BUILD_TIMEOUT = 1800
 TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examples/ ships the first 300)
 # A draft for the tiny target learns in minutes on 2 cores with a high lr and small batches, from thousands of rows seen
-# a few times: 1800 steps of 2048 tokens are 6 passes over 8000 rows, under 5 minutes at 0.15-0.17 s a step (no TTT
-# recompute on a CPU). 200 rows seen 27 times reach 0.98 accuracy on what they trained on but 0.86 on held-out rows (AL
-# 3.13). A reduced draft vocabulary (256 of 512) exercises the d2t mapping real drafts use. The demo measures greedy
-# acceptance, which takes the target's argmax: labels sharpened to temperature 0.2 gain 0.07-0.11 there (0.05 and 0.5
-# less). The draft's MLP is 768 wide, 3x the target's: prompt slots skip it, so it costs little.
-# Measured in vLLM on the 400 held-out rows (4 in 10 are word tasks; 100 rows swung 3.82-3.86 with the seed), seeds 0/1:
-# AdamW at lr 1e-2 3.803/3.831; Muon for the hidden matrices (remote/muon.py, lr 0.02) 3.851/3.859, predicted
-# 3.863/3.869, in 281-299 s of steps (6 runs; AdamW's 276-283). Muon at lr 0.01 measured the same, at 0.04 0.007 lower.
-# A fresh demo's own data (sampled anew) reads lower: AdamW 3.815 (seed 0), Muon 3.840/3.847, predicted 3.850/3.856.
-# Under AdamW nothing else moved it past the seeds' spread: on these rows MLP 1024, 4 kv heads, --ttt-decay 1.0, lr 5e-3
-# or 2e-2, 1024-token batches, --dtype bf16, the target's greedy answers as data (+0.014/-0.008); on 435 unseen prompts
-# --ttt-decay 0.6, 4096-token batches, weight decay 0.1, state noise, grad clip 1.0, Adam beta2 0.95. A second draft
-# layer measured 0.03 lower (100 rows); twice the steps did lift it (3600: 3.841/3.855, 9-10 minutes). bf16 (the CPU has
-# avx512_bf16) and torch.compile make no step faster net.
-# Most misses left are letters where the target itself errs ("g r a g e -> G R A N G E"): to guess those the draft must
-# redo the target's next step. What lifts it at the same training cost is rows: on the same 400 held-out rows, half the
-# rows measured 0.030 lower (seed 0) and twice the rows (16000, 3 passes in the same 1800 steps) 0.017/0.020 higher
-# (3.857/3.867), while 8000 rows that never ask a prompt twice measured 0.010/0.012 lower (they thin out the word tasks,
-# 4 in 10 held-out rows). The demo keeps 8000: 16000 cost 140 s more of generation, and a 16000-row demo holds out other
-# rows (about 173/153 word tasks in 400, not 141/147), where the same recipe read 3.835/3.845. Under Muon a constant lr
-# with a linear cooldown (-0.006) and weight decay 0.03/0.1 (+0.000/+0.004) did not move it (seed 0); nor did
-# EAGLE-3.1's per-layer fc_norm (-0.002), a trainable embedding table (-0.003) or --ttt-steps 2 for 2700 steps (3.40
-# at K=3: the third draft step needs training). fc_norm with norm_output predicted 3.850 but measured 3.805 (vLLM's
-# draft steps 2-3 accept 0.96 where the plain draft's accept 0.97; not diagnosed). 16000 rows with 800 held out
-# measured 3.842/3.846; 3600 Muon steps (577 s) 3.851.
+# a few times: 1800 steps of 2048 tokens are 6 passes over 8000 rows, 0.16-0.18 s a step (no TTT recompute on a CPU; the
+# target's states are kept after the first pass, train.py). 200 rows seen 27 times reach 0.98 accuracy on what they
+# trained on but 0.86 on held-out rows (AL 3.13). A reduced draft vocabulary (256 of 512) exercises the d2t mapping real
+# drafts use. The demo measures greedy acceptance, which takes the target's argmax: labels sharpened to temperature 0.2
+# gain 0.07-0.11 there (0.05 and 0.5 less). Most misses left are letters where the target itself errs ("g r a g e ->
+# G R A N G E"): to guess those the draft must redo the target's next step, so the draft's MLP is 1024 wide, 4x the
+# target's (prompt slots skip it).
+# Measured in vLLM on the 400 held-out rows of a fresh demo's data (4 in 10 are word tasks), seeds 0/1: MLP 768
+# 3.840/3.847 (predicted 3.850/3.856); MLP 1024 3.851/3.854 (predicted 3.862/3.863). Timed back to back (one day's
+# machine): MLP 768 285 s of steps, 272 s with the kept states; MLP 1024 315 s with them. Cut to 1650/1700 steps, MLP
+# 1024 read 3.835/3.858 and 3.836/3.849: runs swing by 0.01 with the seed and the step count.
+# Muon for the hidden matrices (remote/muon.py, lr 0.02) beat AdamW at lr 1e-2 by 0.025-0.048; Muon at lr 0.01 measured
+# the same, at 0.04 0.007 lower. Under AdamW nothing else moved it past the seeds' spread: 4 kv heads, --ttt-decay 1.0 or
+# 0.6, lr 5e-3 or 2e-2, 1024- or 4096-token batches, --dtype bf16, the target's greedy answers as data (+0.014/-0.008),
+# weight decay 0.1, state noise, grad clip 1.0, Adam beta2 0.95; a second draft layer measured 0.03 lower. bf16 (the CPU
+# has avx512_bf16) and torch.compile make no step faster net; nor does stacking Muon's Newton-Schulz by shape. Under Muon
+# a constant lr with a linear cooldown (-0.006), weight decay 0.03/0.1 (+0.000/+0.004), EAGLE-3.1's per-layer fc_norm
+# (-0.002), a trainable embedding table (-0.003) and --ttt-steps 2 for 2700 steps (3.40 at K=3: the third draft step
+# needs training) did not lift MLP 768 (seed 0). fc_norm with norm_output predicted 3.850 but measured 3.805 (vLLM's
+# draft steps 2-3 accept 0.96 where the plain draft's accept 0.97; not diagnosed). Twice the steps lift it (3600 Muon
+# steps: 3.851, seed 0). So do rows: on the same 400 held-out rows, half the rows measured 0.030 lower (seed 0) and
+# twice the rows (16000, 3 passes in the same 1800 steps) 0.017/0.020 higher, while 8000 rows that never ask a prompt
+# twice measured 0.010/0.012 lower (they thin out the word tasks). The demo keeps 8000: 16000 cost 140 s more of
+# generation, and a 16000-row demo holds out other rows (about 173/153 word tasks in 400, not 141/147), where MLP 768 read
+# 3.835/3.845 (3.842/3.846 with 800 held out).
 TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05",
                      "--draft-vocab", "256", "--max-len", "512", "--label-temperature", "0.2",
-                     "--draft-intermediate", "768", "--optimizer", "muon"]
+                     "--draft-intermediate", "1024", "--optimizer", "muon"]
 TRAIN_STEPS = 1800
 HELD_OUT_ROWS = 400  # what train predicts on and measures, and eval measures again with the baseline
 

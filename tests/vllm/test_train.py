@@ -18,7 +18,7 @@ from tests.helpers.fixtures_train import LAYER_NAMES, REMOTE, metrics, run_scrip
 
 sys.path.insert(0, str(REMOTE))
 from chat_render import ChatRenderer, normalise  # noqa: E402
-from target_states import OnlineTargetStates  # noqa: E402
+from target_states import CachedTargetStates, OnlineTargetStates  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,34 @@ def test_aux_states_are_the_inputs_of_layers_in_vllm_convention(tiny_model):
     assert not torch.allclose(blocks[L], hs[L], atol=1e-3)  # pre-norm, unlike HF's last entry
     torch.testing.assert_close(target.model.base_model.norm(blocks[L]), hs[L])
     torch.testing.assert_close(target.logits(states.last), out.logits)
+
+
+def test_kept_states_are_what_the_target_says_of_each_sample_in_any_batch(tiny_model):
+    """A CPU run keeps each sample's states from its first batch; later epochs group the samples
+    differently (other widths, other neighbours), and what comes back must be the target's own there.
+    A budget too small for a sample keeps nothing of it, and the target runs again."""
+    online = OnlineTargetStates(str(tiny_model), None, torch.device("cpu"), torch.float32)
+    rows = [[1, 276, 201, 325, 264, 364, 294, 283, 18, 33, 2], [1, 275, 201, 510, 18], [1, 33, 2, 201, 1, 275, 201]]
+
+    def batch(index):
+        width = max(len(rows[i]) for i in index)
+        ids = torch.tensor([rows[i] + [0] * (width - len(rows[i])) for i in index])
+        return ids, torch.tensor([[1] * len(rows[i]) + [0] * (width - len(rows[i])) for i in index])
+
+    def real(states, attention):
+        return [(states.aux[r, : n], states.last[r, : n]) for r, n in enumerate(attention.sum(1).tolist())]
+
+    H = online.config.hidden_size
+    kept = CachedTargetStates(online, budget_bytes=(len(rows[0]) + len(rows[1])) * 4 * H * 4)
+    kept.states(*batch([0, 1, 2]), [0, 1, 2])
+    assert sorted(kept.kept) == [0, 1]  # the third did not fit
+    for index in ([1, 0], [0]):
+        ids, attention = batch(index)
+        for got, want in zip(real(kept.states(ids, attention, index), attention), real(online.states(ids, attention, index), attention)):
+            torch.testing.assert_close(got, want)
+    ids, attention = batch([2, 1])  # one sample not kept: the target runs, and says what it says
+    for got, want in zip(real(kept.states(ids, attention, [2, 1]), attention), real(online.states(ids, attention, [2, 1]), attention)):
+        torch.testing.assert_close(got, want)
 
 
 # ---------------------------------------------------------------- training and export
