@@ -9,9 +9,9 @@ embedding table the draft shares with the target.
 
 `OnlineTargetStates` runs the frozen target (transformers) on each batch: no
 state dumps on disk; `CachedTargetStates` keeps what it said of each sample in
-memory for the next epochs (a CPU run). `states_from_shards.ShardTargetStates` (states precomputed by
-vLLM into shards by remote/extract.py, for targets transformers cannot hold)
-implements the same `TargetStates`.
+memory for the next epochs (a CPU run). `states_from_shards.ShardTargetStates`
+(states precomputed by vLLM into shards by remote/extract.py, for targets
+transformers cannot hold) implements the same `TargetStates`.
 """
 from dataclasses import dataclass
 from typing import Protocol
@@ -126,8 +126,8 @@ class CachedTargetStates:
     """An online target whose states are kept per sample after its first pass, for a CPU run of several
     epochs: the same rows come back every epoch, and the frozen target says the same of them each time.
 
-    On the demo's tiny target the target's forward is about a tenth of a CPU step, and the states of
-    8000 rows take 1.3 GB. A batch whose samples are all kept is assembled from them; any other runs
+    On the demo's tiny target keeping them makes a CPU step 5% cheaper (0.158 -> 0.150 s), and the states
+    of 8000 rows take 1.3 GB. A batch whose samples are all kept is assembled from them; any other runs
     the target and keeps what it says of each sample (only while they fit in `budget_bytes`). A sample's
     states do not depend on the batch it came in (right padding, causal attention) beyond float rounding.
     Not for a GPU run: there the target's forward is cheap beside the draft's, and memory is the draft's.
