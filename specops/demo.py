@@ -24,20 +24,19 @@ TINY_MODEL_BUILD_TIMEOUT = 1800
 TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examples/ ships the first 300)
 # A draft for the tiny target learns in minutes on 2 cores with a high lr and small batches, from thousands of rows seen
 # a few times: 1800 steps of 2048 tokens are 6 passes over 8000 rows (no TTT recompute on a CPU; the target's states are
-# kept after the first pass, train.py, and step 0's attention gives its log-sum-exp with its output, draft_model.py).
-# 200 rows seen 27 times reach 0.98 accuracy on what they trained on but 0.86 on held-out rows (AL 3.13). A reduced
-# draft vocabulary (256 of 512) exercises the d2t mapping real drafts use. The demo measures greedy acceptance, which
-# takes the target's argmax: labels sharpened to temperature 0.2 gain 0.07-0.11 there (0.05 and 0.5 less). Most misses
-# left are letters where the target itself errs ("g r a g e -> G R A N G E"): to guess those the draft must redo the
-# target's next step, so the draft's MLP is 1024 wide, 4x the target's (prompt slots skip it). Measured in vLLM on the
-# 400 held-out rows of a fresh demo's data (4 in 10 are word tasks), seeds 0/1 (predicted in brackets): MLP 768
-# 3.840/3.847 (3.850/3.856); MLP 1024 3.851/3.854 (3.862/3.863). Step times swing 10-20% with the machine's hour: back
-# to back, MLP 768 took 285 s of steps (272 s with the kept states) and MLP 1024 315 s one morning; MLP 1024 378 s in a
-# slower hour. Runs swing by 0.01 with the seed and the step count (MLP 1024 at 1650/1700 steps: 3.835/3.858 and
-# 3.836/3.849). The MLP's matmuls in bf16 (the CPU has avx512_bf16; rows padded to a multiple of 64, or oneDNN
-# recompiles its kernel for every batch's row count) make a step 14-20% faster, but no figure better at the same time:
-# MLP 1024 3.838/3.852 at 1800 steps, 3.847 (seed 0) at 2100 steps; MLP 1536 3.849/3.856 at 1800 steps, as long as fp32
-# MLP 1024 back to back.
+# kept after the first pass, train.py). 200 rows seen 27 times reach 0.98 accuracy on what they trained on but 0.86 on
+# held-out rows (AL 3.13). A reduced draft vocabulary (256 of 512) exercises the d2t mapping real drafts use. The demo
+# measures greedy acceptance, which takes the target's argmax: labels sharpened to temperature 0.2 gain 0.07-0.11 there
+# (0.05 and 0.5 less). Most misses left are letters where the target itself errs ("g r a g e -> G R A N G E"): to guess
+# those the draft must redo the target's next step, so the draft's MLP is 1024 wide, 4x the target's (prompt slots skip
+# it). Measured in vLLM on the 400 held-out rows of a fresh demo's data (4 in 10 are word tasks), seeds 0/1 (predicted
+# in brackets): MLP 768 3.840/3.847 (3.850/3.856); MLP 1024 3.851/3.854 (3.862/3.863). Step times swing 10-20% with the
+# machine's hour: back to back, MLP 768 took 285 s of steps (272 s with the kept states) and MLP 1024 315 s one morning;
+# MLP 1024 378 s in a slower hour. Runs swing by 0.01 with the seed and the step count (MLP 1024 at 1650/1700 steps:
+# 3.835/3.858 and 3.836/3.849). The MLP's matmuls in bf16 (the CPU has avx512_bf16; rows padded to a multiple of 64, or
+# oneDNN recompiles its kernel for every batch's row count) make a step 14-20% faster, but no figure better at the same
+# time: MLP 1024 3.838/3.852 at 1800 steps, 3.847 (seed 0) at 2100 steps; MLP 1536 3.849/3.856 at 1800 steps, as long as
+# fp32 MLP 1024 back to back.
 # Muon for the hidden matrices (remote/muon.py, lr 0.02) beat AdamW at lr 1e-2 by 0.025-0.048; Muon at lr 0.01 measured
 # the same, at 0.04 0.007 lower. Under AdamW nothing else moved it past the seeds' spread: 4 kv heads, --ttt-decay 1.0 or
 # 0.6, lr 5e-3 or 2e-2, 1024- or 4096-token batches, --dtype bf16, the target's greedy answers as data (+0.014/-0.008),
