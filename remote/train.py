@@ -591,6 +591,15 @@ def main(argv=None):
     else:
         batches = ((epoch, index, None) for epoch, index in batches)
     pad_id = renderer.tok.pad_token_id if renderer.tok.pad_token_id is not None else 0
+    if start_step and isinstance(target, CachedTargetStates):
+        # Kept states are what each sample's first-epoch batch computed (another batch's padding rounds them
+        # otherwise): a resumed run keeps them again from those batches, so it ends on the uninterrupted run's weights.
+        first = rank_batches(train_lengths, args.batch_tokens, args.seed, rank, world)
+        for step, (epoch, batch) in zip(range(start_step), first):
+            if epoch > 0:
+                break
+            index = [train_index[j] for j in batch]
+            target.states(*collate(samples, index, pad_id, device)[:2], index)
 
     def forward(net, index, payload=None):
         """One batch through the target's states and the draft's TTT steps: (objective, per-step
