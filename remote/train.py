@@ -595,7 +595,7 @@ def main(argv=None):
         # Kept states are what each sample's first-epoch batch computed (another batch's padding rounds them
         # otherwise): a resumed run keeps them again from those batches, so it ends on the uninterrupted run's weights.
         first = rank_batches(train_lengths, args.batch_tokens, args.seed, rank, world)
-        for step, (epoch, batch) in zip(range(start_step), first):
+        for _, (epoch, batch) in zip(range(start_step), first):
             if epoch > 0:
                 break
             index = [train_index[j] for j in batch]
