@@ -4,7 +4,7 @@
     python bench/train_step.py [--device cpu|cuda] [--dtype fp32|bf16] [--budget-s 120] [--only tiny|real]
                                [--prompt-fraction 0.36]
 
-Two shapes: the tiny target's draft (H 128, Vd 512) and one sized like a real draft
+Two shapes: the demo's draft (H 128, I 1024, Vd 256) and one sized like a real draft
 (H 4096, I 14336, 32/8 heads, Vd 32000, seq 2048). The target model is left out: its states
 and logits are random tensors of the right shapes, so the figure is the trainer's own cost.
 The baseline, measured in the same run on the same device and dtype, is a plain matmul of the
@@ -14,7 +14,9 @@ step after one warm-up step); on CPU the real shape runs one TTT step (seven tak
 
 Each sequence starts with a prompt (--prompt-fraction of it, no loss: the demo's data has 36%),
 and the step runs twice, as the trainer does (slots no step scores skip the MLP) and with every
-slot computed: `skip_speedup` is the second's time over the first's.
+slot computed: `skip_speedup` is the second's time over the first's. On a CPU in fp32 it runs a
+third time with the MLP's matmuls in bf16 (what train.py does where the CPU multiplies bf16
+natively): `bf16_mlp_speedup` is the fp32 step's time over that one's.
 """
 import argparse
 import sys
@@ -29,7 +31,7 @@ from ttt_objective import SoftCrossEntropy  # noqa: E402
 
 SHAPES = {
     # name: (H, I, heads, kv heads, head dim, Vd, batch, seq)
-    "tiny": (128, 256, 4, 2, 32, 512, 8, 256),
+    "tiny": (128, 1024, 4, 2, 32, 256, 8, 256),  # the demo's draft: MLP 1024, draft vocab 256
     "real": (4096, 14336, 32, 8, 128, 32000, 1, 2048),
 }
 
@@ -102,11 +104,15 @@ def bench(name, device, dtype, budget_s, ttt, prompt_fraction):
     tokens = B * T
     flops = step_flops(c, tokens, T, ttt) / every_slot  # the FLOPs counted are every slot's
     base = matmul_rate(tokens, H, I, device, dtype)
-    return {"shape": name, "H": H, "Vd": Vd, "batch": B, "seq": T, "ttt_steps": ttt, "steps": steps,
+    row = {"shape": name, "H": H, "Vd": Vd, "batch": B, "seq": T, "ttt_steps": ttt, "steps": steps,
             "s_per_step": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
             "model_gflops": round(flops / 1e9, 1), "matmul_gflops": round(base / 1e9, 1),
             "ratio_to_matmul": round(flops / base, 3), "prompt_fraction": prompt_fraction,
             "skip_speedup": round(every_slot / seconds, 3)}
+    if device.type == "cpu" and dtype == torch.float32:
+        draft.midlayer.mlp.bf16_matmuls = True
+        row["bf16_mlp_speedup"] = round(seconds / seconds_per_step(True)[0], 3)
+    return row
 
 
 def main():

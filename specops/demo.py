@@ -21,40 +21,36 @@ from .host import Session, connect
 from .inventory import Host
 
 TINY_MODEL_BUILD_TIMEOUT = 1800
-TINY_PROMPTS = 8000  # rows of the tiny domain the demo can generate from (examples/ ships the first 300)
+TINY_PROMPTS = 24000  # rows of the tiny domain the demo can generate from (examples/ ships the first 300)
 # A draft for the tiny target learns in minutes on 2 cores with a high lr and small batches, from thousands of rows seen
-# a few times: 1800 steps of 2048 tokens are 6 passes over 8000 rows (no TTT recompute on a CPU; the target's states are
-# kept after the first pass, train.py). 200 rows seen 27 times reach 0.98 accuracy on what they trained on but 0.86 on
-# held-out rows (AL 3.13). A reduced draft vocabulary (256 of 512) exercises the d2t mapping real drafts use. The demo
-# measures greedy acceptance, which takes the target's argmax: labels sharpened to temperature 0.2 gain 0.07-0.11 there
-# (0.05 and 0.5 less). Most misses left are letters where the target itself errs ("g r a g e -> G R A N G E"): to guess
-# those the draft must redo the target's next step, so the draft's MLP is 1024 wide, 4x the target's (prompt slots skip
-# it). Measured in vLLM on the 400 held-out rows of a fresh demo's data (4 in 10 are word tasks), seeds 0/1 (predicted
-# in brackets): MLP 768 3.840/3.847 (3.850/3.856); MLP 1024 3.851/3.854 (3.862/3.863). Step times swing 10-20% with the
-# machine's hour: back to back, MLP 768 took 285 s of steps (272 s with the kept states) and MLP 1024 315 s one morning;
-# MLP 1024 378 s in a slower hour. Runs swing by 0.01 with the seed and the step count (MLP 1024 at 1650/1700 steps:
-# 3.835/3.858 and 3.836/3.849). The MLP's matmuls in bf16 (the CPU has avx512_bf16; rows padded to a multiple of 64, or
-# oneDNN recompiles its kernel for every batch's row count) make a step 14-20% faster, but no figure better at the same
-# time: MLP 1024 3.838/3.852 at 1800 steps, 3.847 (seed 0) at 2100 steps; MLP 1536 3.849/3.856 at 1800 steps, as long as
-# fp32 MLP 1024 back to back.
+# a few times: 1650 steps of 2048 tokens are 1.8 passes over 24000 rows (no TTT recompute on a CPU; the target's states
+# are kept after the first pass, train.py; the MLP multiplies in bf16 where the CPU does so natively, 17% a step). Rows
+# are the lever: the draft's misses left are mostly letters where the target itself errs ("g r a g e -> G R A N G E"),
+# and to guess those it must redo the target's next step on words it never saw. Measured in vLLM on 400 held-out rows,
+# seeds 0/1 (predicted in brackets): two fresh 8000-row draws, fp32, 1800 steps: 3.851/3.854 and 3.820/3.819; 16000
+# rows (the second draw plus 8000 more): 3.860/3.853, and 3.854/3.842 in 1650 bf16-MLP steps (279.5 s of steps; fp32
+# 1800: 363/350 s); 24000 rows, 1650 bf16-MLP steps: 3.857/3.872 (3.868/3.881), 303.6/283.9 s of steps. Generation
+# pays for it: 8000 rows take about 3 minutes. 200 rows seen 27 times reach 0.98 accuracy on what they trained on but
+# 0.86 on held-out rows (AL 3.13). A reduced draft vocabulary (256 of 512) exercises the d2t mapping real drafts use.
+# The demo measures greedy acceptance, which takes the target's argmax: labels sharpened to temperature 0.2 gain
+# 0.07-0.11 there (0.05 and 0.5 less). The draft's MLP is 1024 wide, 4x the target's (prompt slots skip it): MLP 768
+# measured 0.007-0.011 lower (8000 rows). Step times swing 10-20% with the machine's hour; costs are compared by
+# alternating the two versions step by step in one run. Runs swing by 0.01 with the seed and the step count, and by
+# 0.03 with the data's draw (8000 rows).
 # Muon for the hidden matrices (remote/muon.py, lr 0.02) beat AdamW at lr 1e-2 by 0.025-0.048; Muon at lr 0.01 measured
 # the same, at 0.04 0.007 lower. Under AdamW nothing else moved it past the seeds' spread: 4 kv heads, --ttt-decay 1.0 or
 # 0.6, lr 5e-3 or 2e-2, 1024- or 4096-token batches, --dtype bf16, the target's greedy answers as data (+0.014/-0.008),
 # weight decay 0.1, state noise, grad clip 1.0, Adam beta2 0.95; a second draft layer measured 0.03 lower. bf16 for the
 # whole step and torch.compile make no step faster net; nor does stacking Muon's Newton-Schulz by shape. Under Muon
 # a constant lr with a linear cooldown (-0.006), weight decay 0.03/0.1 (+0.000/+0.004), EAGLE-3.1's per-layer fc_norm
-# (-0.002), a trainable embedding table (-0.003) and --ttt-steps 2 for 2700 steps (3.40 at K=3: the third draft step
-# needs training) did not lift MLP 768 (seed 0). fc_norm with norm_output predicted 3.850 but measured 3.805 (vLLM's
-# draft steps 2-3 accept 0.96 where the plain draft's accept 0.97; not diagnosed). Twice the steps lift it (3600 Muon
-# steps: 3.851, seed 0). So do rows: on the same 400 held-out rows, half the rows measured 0.030 lower (seed 0) and
-# twice the rows (16000, 3 passes in the same 1800 steps) 0.017/0.020 higher, while 8000 rows that never ask a prompt
-# twice measured 0.010/0.012 lower (they thin out the word tasks). The demo keeps 8000: 16000 cost 140 s more of
-# generation, and a 16000-row demo holds out other rows (about 173/153 word tasks in 400, not 141/147), where MLP 768 read
-# 3.835/3.845 (3.842/3.846 with 800 held out).
+# (-0.002), a trainable embedding table (-0.003), 4096-token batches for half the steps (-0.017), and --ttt-steps 2 for
+# 2700 steps (3.40 at K=3: the third draft step needs training) did not lift it (seed 0). fc_norm with norm_output
+# predicted 3.850 but measured 3.805 (vLLM's draft steps 2-3 accept 0.96 where the plain draft's accept 0.97; not
+# diagnosed). Twice the steps lift it a little (3600 Muon steps, MLP 768: +0.011), rows more for the same steps.
 TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05",
                      "--draft-vocab", "256", "--max-len", "512", "--label-temperature", "0.2",
                      "--draft-intermediate", "1024", "--optimizer", "muon"]
-TRAIN_STEPS = 1800
+TRAIN_STEPS = 1650
 HELD_OUT_ROWS = 400  # what train predicts on and measures, and eval measures again with the baseline
 
 

@@ -101,3 +101,32 @@ def test_importing_the_trainer_leaves_the_environment_alone():
             "sys.exit(dict(os.environ) != before)")
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     assert subprocess.run([sys.executable, "-c", code, str(REMOTE)], env=env, timeout=120).returncode == 0
+
+
+def test_bf16_mlp_matmuls_keep_fp32_weights_and_results_within_bf16_rounding():
+    """The CPU's bf16 MLP (train.py turns it on where the CPU multiplies bf16): fp32 in and out, fp32 gradients,
+    within bf16's rounding of the fp32 MLP, and the rows padded for the kernel never reach the result."""
+    from draft_model import MLP
+
+    torch.manual_seed(0)
+    c = DraftConfig(hidden_size=128, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    vocab_size=512, draft_vocab_size=256, aux_layer_ids=[0, 1, 2], max_position_embeddings=512)
+    mlp = MLP(c)
+    for shape in [(37, 128), (2, 45, 128)]:  # row counts that are no multiple of the padding's
+        x = torch.randn(*shape, requires_grad=True)
+        outputs, grads = [], []
+        for bf16 in (False, True):
+            mlp.bf16_matmuls = bf16
+            out = mlp(x)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            outputs.append(out.detach())
+            grads.append([x.grad.clone(), *(p.grad.clone() for p in mlp.parameters())])
+            x.grad = None
+            mlp.zero_grad(set_to_none=True)
+        assert outputs[1].shape == shape and outputs[1].dtype == torch.float32
+        assert torch.allclose(outputs[1], outputs[0], rtol=0.05, atol=0.02 * outputs[0].abs().max().item())
+        assert not torch.equal(outputs[1], outputs[0])  # it did multiply in bf16
+        for g32, g16 in zip(*grads):
+            assert g16.dtype == torch.float32
+            assert torch.allclose(g16, g32, rtol=0.05, atol=0.03 * g32.abs().max().item())
+    assert all(p.dtype == torch.float32 for p in mlp.parameters())
