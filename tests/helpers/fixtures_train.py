@@ -83,8 +83,9 @@ def heldout_prompts(tmp_path_factory):
 def trained_run(tiny_model, generated_data, tmp_path_factory):
     """A full-vocabulary draft trained on generated_data with the tiny recipe (run directory); at its
     last step it predicts acceptance on the held-out rows and measures it there in vLLM (evals.jsonl)."""
+    # fp32 throughout (no bf16 MLP on a CPU that has it): test_extract compares its loss curve at rounding level
     return train(tiny_model, generated_data, tmp_path_factory.mktemp("train") / "run", "--eval-every", "300",
-                 "--eval-vllm", "--eval-arg=--max-model-len=512")
+                 "--eval-vllm", "--eval-arg=--max-model-len=512", "--dtype", "fp32")
 
 
 @pytest.fixture(scope="session")

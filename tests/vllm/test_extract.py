@@ -272,7 +272,7 @@ def test_draft_from_vllm_shards_accepts_like_the_online_one(tiny_model, generate
     Hence the mechanism is checked exactly (the shared loss curve), and AL of one seed each within 0.15,
     twice the widest per-seed difference seen (a shifted or wrong state costs well over 1).
     """
-    run = train(tiny_model, generated_data, tmp_path / "s0", "--states", tiny_shards)
+    run = train(tiny_model, generated_data, tmp_path / "s0", "--states", tiny_shards, "--dtype", "fp32")
     online, shards = metrics(trained_run), metrics(run)
     assert len(shards) == len(online) and [m["tokens"] for m in shards] == [m["tokens"] for m in online]
     assert shards[-1]["loss"] < shards[0]["loss"] and shards[-1]["acc_0"] > shards[0]["acc_0"]
