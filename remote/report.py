@@ -220,6 +220,7 @@ def train_page(run_dir: str, page: Page, source=None) -> None:
                 ["draft/ is the checkpoint of step", best.get("step", last["step"])],
                 ["its predicted acceptance length (held-out rows)", best.get("val_sim_al")],
                 ["its acceptance length measured in vLLM", best.get("measured_al")],
+                ["seconds of training steps that made it", best.get("train_s")],
                 ["draft vocabulary coverage of the loss tokens", last.get("vocab_coverage")],
                 ["tokens/s (median step)", sorted(rates)[len(rates) // 2] if rates else None]])
     steps = [m["step"] for m in rows]

@@ -657,11 +657,12 @@ def main(argv=None):
         export(draft, path, dtype, model_card(args, target, stats, V, len(vocab_ids), target.aux_layer_ids, step,
                                               figures))
 
-    def evaluate(step: int) -> dict:
-        """Held-out figures (and vLLM's measurement with --eval-vllm) of the draft as it is now; the best
-        so far is exported as OUT/draft (scored by the measurement when there is one, else val_sim_al)."""
+    def evaluate(step: int, train_s: float) -> dict:
+        """Held-out figures (and vLLM's measurement with --eval-vllm) of the draft as it is now, with the
+        seconds of training steps that made it; the best so far is exported as OUT/draft (scored by the
+        measurement when there is one, else val_sim_al)."""
         nonlocal best
-        figures = validate()
+        figures = {**validate(), "train_s": round(train_s, 1)}
         candidate = os.path.join(args.out, "draft.candidate")
         if writer:
             export_draft(candidate, step, figures)
@@ -690,6 +691,7 @@ def main(argv=None):
 
     t0 = last_print = time.monotonic()
     tokens_seen = 0
+    train_s = metrics.get("train_s", 0.0)  # the steps' own seconds, evaluations and saves left out; kept on resume
     for step in range(start_step, total_steps):
         step_t0 = time.monotonic()
         epoch, index, payload = next(batches)
@@ -715,18 +717,20 @@ def main(argv=None):
         acc = (totals[1 : 1 + k] / totals[1 + k : 1 + 2 * k].clamp(min=1)).tolist()
         tokens, batch_samples = int(totals[-2]), int(totals[-1])
         tokens_seen += tokens
+        step_s = time.monotonic() - step_t0
+        train_s += step_s
         metrics = {"step": step + 1, "epoch": epoch, "loss": round(totals[0].item() / world, 5),
                    **{f"acc_{i}": round(a, 4) for i, a in enumerate(acc)},
                    "sim_al": round(chains[2].item() / max(1.0, chains[3].item()), 4),  # acceptance.py: vLLM's walk
                    "sim_al_anchors": round(chains[0].item() / max(1.0, chains[1].item()), 4),
                    "sim_al_indep": round(simulated_acceptance(acc), 4),
-                   "tokens_per_s": round(tokens / (time.monotonic() - step_t0), 1),
+                   "tokens_per_s": round(tokens / step_s, 1), "train_s": round(train_s, 2),
                    "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}
         loss_ids = input_ids[loss_mask.bool()]  # how much of this batch's loss tokens the draft vocabulary covers
         metrics["vocab_coverage"] = round(in_vocab[loss_ids].float().sum().item() / max(1, loss_ids.numel()), 4)
         evaluated = bool(val_index) and (step + 1 == total_steps or (args.eval_every and (step + 1) % args.eval_every == 0))
         if evaluated:
-            metrics.update(evaluate(step + 1))
+            metrics.update(evaluate(step + 1, train_s))
         if writer:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -760,7 +764,7 @@ def main(argv=None):
     progress(stage="done", steps=total_steps, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
              sim_al=metrics.get("sim_al"), val_sim_al=metrics.get("val_sim_al"),
              measured_al=metrics.get("measured_al"), draft_step=best["step"] if best else total_steps,
-             draft=os.path.join(args.out, "draft"))
+             train_s=metrics.get("train_s"), draft=os.path.join(args.out, "draft"))
 
 
 if __name__ == "__main__":

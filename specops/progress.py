@@ -76,6 +76,7 @@ _FIGURES = {
     "val_sim_al": lambda v: f"predicted AL {v:.2f} (held out)",
     "measured_al": lambda v: f"measured AL {v:.2f} (vLLM)",
     "best_step": lambda v: f"draft/ = step {v}",
+    "train_s": lambda v: f"{duration(v)} of steps",
     "acceptance_length": lambda v: f"acceptance length {v:.2f}",
     "speedup": lambda v: f"speedup {v:.2f}x",
     "rows_s": lambda v: f"{v:.1f} rows/s",

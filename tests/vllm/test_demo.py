@@ -46,10 +46,14 @@ all:
     # (tests/vllm/test_eval.py); 80 steps on these 75 rows measured 2.31, and 2.40 with sharpened labels
     # (30 rows: 1.99, too few to generalise)
     assert al > 2.0, summary
-    # train shows what it predicted on the held-out rows and what vLLM measured there (both figures)
-    predicted, measured = map(float, re.search(r"predicted AL ([\d.]+) on held-out rows, measured in vLLM ([\d.]+)",
-                                               summary).groups())
+    # train shows what it predicted on the held-out rows and what vLLM measured there (both figures), and the
+    # seconds its steps took: a part of the stage's time, which also loads, replays the held-out prompts and evaluates
+    predicted, measured, train_s = map(float, re.search(
+        r"predicted AL ([\d.]+) on held-out rows, measured in vLLM ([\d.]+), after ([\d.]+) s of training steps",
+        summary).groups())
     assert predicted > 1.5 and measured > 2.0, summary
+    stage_s = float(re.search(r"^train\s+([\d.]+)\s", summary, re.MULTILINE).group(1))
+    assert 0 < train_s < stage_s, summary
     assert (dest / "demo-eval" / "localhost" / "report.json").is_file()
     for run in ("demo-generate", "demo-train", "demo-eval"):  # the demo ends with its reports, named in the summary
         assert str(dest / run / "localhost" / "report.html") in summary, summary

@@ -209,6 +209,8 @@ def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(tiny_model, g
     a, b = load_file(whole / "draft" / "model.safetensors"), load_file(cut / "draft" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in metrics(whole)] == [r["loss"] for r in metrics(cut)]
+    seconds = [r["train_s"] for r in metrics(cut)]  # the steps' own seconds carry on past the resume
+    assert all(b > a for a, b in zip(seconds, seconds[1:])), seconds
 
 
 def test_torchrun_two_cpu_processes_train_and_export(tiny_model, generated_data, trained_run, tmp_path):
