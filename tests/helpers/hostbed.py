@@ -80,8 +80,21 @@ class NetnsHost(SshHost):
     def cut(self) -> None:
         _sh("ip", "link", "set", self.veth, "down")
 
-    def restore(self) -> None:
+    def restore(self, wait_s: float = 15.0) -> None:
+        """Plug the cable back in, and return once sshd answers with its banner: right after the link
+        comes up a connection can still be reset (seen once in a fresh CI), which is the bed, not the code."""
         _sh("ip", "link", "set", self.veth, "up")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with socket.create_connection((self.address, self.port), timeout=2) as conn:
+                    if conn.recv(4) == b"SSH-":
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: sshd does not answer {wait_s:.0f} s after its link came back up")
+            time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- capabilities
