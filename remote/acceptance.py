@@ -17,9 +17,10 @@ first draft is anchored at slot c-1; a draft anchored at t yields L[t] tokens (a
 next is anchored at t + L[t], so the anchor after a miss is the hard spot itself, and an easy run is
 visited once, not at every slot. vLLM's AL is tokens / drafts along that walk. At the answer's end
 vLLM counts a draft's tokens past the stop token as accepted when they match what the target would
-say next (vllm/v1/core/sched/scheduler.py counts acceptances before check_stop trims the output), and
-a draft that reached the stop token intact matches there too (the measured end adds ~1.7 tokens per
-answer on the tiny target, which this assumption reproduces): a chain reaching the end counts full.
+say next (vllm/v1/core/sched/scheduler.py counts acceptances before check_stop trims the output; the
+demo's measurement holds ~1.6 such tokens per answer, never delivered). Where the samples carry what
+the target says past the stop (held_out.py's replay: ``answer`` is the loss mask without those tails)
+the last draft is scored against it; elsewhere a chain reaching the end counts full.
 The mean over all anchors (``sim_al_anchors``) is kept for comparison: where misses
 cluster (the digits of a number) it is the higher of the two. Pure torch, no project imports.
 """
@@ -54,11 +55,20 @@ def follows_target(input_ids: torch.Tensor, target_top: torch.Tensor, k: int) ->
     return out
 
 
+def answer_mask(loss_mask: torch.Tensor, lengths: list[int], tails: list[int]) -> torch.Tensor:
+    """loss_mask [B, T] without each row's last tails[b] tokens (of its lengths[b]): the answers alone."""
+    answer = loss_mask.clone()
+    for b, (n, tail) in enumerate(zip(lengths, tails)):
+        answer[b, n - tail : n] = False
+    return answer
+
+
 def walk(lengths: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
     """(tokens, drafts) along vLLM's greedy walk through each run of loss tokens (one answer).
 
     lengths [B, T]: the chain length of a draft anchored at each slot (1 + hits until the first miss;
-    steps past the answer's end, not scored, count as hits, as vLLM counts them); loss_mask [B, T].
+    steps past the answer's end count as hits where they were not scored, as vLLM counts them);
+    loss_mask [B, T]: the answers.
     """
     tokens = drafts = 0
     lengths, mask = lengths.long().cpu(), loss_mask.int().cpu()
@@ -74,12 +84,14 @@ def walk(lengths: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
     return tokens, drafts
 
 
-def batch_chains(objective, input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> tuple[float, ...]:
+def batch_chains(objective, input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int,
+                 answer: torch.Tensor | None = None) -> tuple[float, ...]:
     """(sum of every anchor's accepted length, number of anchors, tokens and drafts along vLLM's walk) for
-    one batch, from the hit maps the objective recorded (objective.hit_maps / valid_maps: [B, T] per step)."""
+    one batch, from the hit maps the objective recorded (objective.hit_maps / valid_maps: [B, T] per step).
+    answer: the walk's answers where the loss mask also covers tokens past their stop (default: it)."""
     hits = torch.stack([objective.hit_maps[i] for i in range(k)])
     valid = torch.stack([objective.valid_maps[i] for i in range(k)])
     hits = hits & follows_target(input_ids, objective.target_top.view(input_ids.shape), k)
     lengths = chain_lengths(hits.flatten(1), valid.flatten(1))
-    tokens, drafts = walk(1 + (hits | ~valid).long().cumprod(0).sum(0), loss_mask)
+    tokens, drafts = walk(1 + (hits | ~valid).long().cumprod(0).sum(0), loss_mask if answer is None else answer)
     return float(lengths.sum()), float(lengths.numel()), float(tokens), float(drafts)

@@ -51,6 +51,7 @@ class Sample:
     ids: list[int]  # (the trainer keeps ids and mask as tensors)
     mask: list[int]  # 1 where the token is the target's own output (loss goes there)
     row: int = -1  # the data row it came from (file order, all files): held-out slices take whole rows
+    tail: int = 0  # held-out replay only: its last `tail` tokens follow the answer's stop (held_out.py)
 
 
 class ChatRenderer:

@@ -39,7 +39,7 @@ from batching import cut_batches, held_out_rows, rank_batches, steps_in_epochs
 from states_from_shards import ShardTargetStates
 import train_plan
 from target_states import CachedTargetStates, OnlineTargetStates, TargetStates
-from ttt_objective import SoftCrossEntropy, target_distribution
+from ttt_objective import SoftCrossEntropy, scored_slots, target_distribution
 import report
 from script import PROGRESS_EVERY_S, Refused, main_of, progress
 
@@ -517,7 +517,7 @@ def main(argv=None):
         val_index = [i for i, s in enumerate(samples) if s.row in held_out]
     else:
         replay = held_out_data.greedy_samples(target.model, renderer, held_out_records, args.eval_n,
-                                              args.eval_max_tokens, args.max_len, device)
+                                              args.eval_max_tokens, args.max_len, device, args.ttt_steps - 1)
         val_index = list(range(len(samples), len(samples) + len(replay)))
         samples += replay
     progress(stage="held-out", rows=len(held_out), samples=len(val_index),
@@ -642,10 +642,14 @@ def main(argv=None):
         k = args.ttt_steps
         sums = torch.zeros(2 * k + 2, dtype=torch.float64, device=device)
         for index in val_batches:
-            objective, per_step, input_ids, _, loss_mask = forward(draft, index)
-            sums[:k] += torch.stack([r[1] for r in per_step]).double()
-            sums[k : 2 * k] += torch.stack([r[2] for r in per_step]).double()
-            sums[2 * k :] += torch.tensor(acceptance.batch_chains(objective, input_ids, loss_mask, k)[2:],
+            objective, _, input_ids, _, loss_mask = forward(draft, index)
+            # accuracy on the answers; the replay's tokens past the stop are scored for the walk alone
+            answer = acceptance.answer_mask(loss_mask, [len(samples[j].ids) for j in index],
+                                            [samples[j].tail for j in index])
+            scored = [scored_slots(answer, i) for i in range(k)]
+            sums[:k] += torch.stack([(objective.hit_maps[i] & scored[i]).sum() for i in range(k)]).double()
+            sums[k : 2 * k] += torch.stack([scored[i].sum() for i in range(k)]).double()
+            sums[2 * k :] += torch.tensor(acceptance.batch_chains(objective, input_ids, loss_mask, k, answer)[2:],
                                           dtype=torch.float64, device=device)
         if distributed:
             dist.all_reduce(sums)

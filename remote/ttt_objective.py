@@ -45,6 +45,15 @@ def target_distribution(normed: torch.Tensor, head: torch.Tensor, head_vd: torch
     return logits_vd, best_idx
 
 
+def scored_slots(loss_mask: torch.Tensor, i: int) -> torch.Tensor:
+    """[B, T] bool: the slots step i scores (slot t predicts token t+2+i: scored where that token has loss)."""
+    T = loss_mask.shape[1]
+    n = max(T - 2 - i, 0)
+    mask = torch.zeros_like(loss_mask, dtype=torch.bool)
+    mask[:, :n] = loss_mask[:, 2 + i : 2 + i + n]
+    return mask
+
+
 class SoftCrossEntropy:
     """The TTT objective for one batch, called by the draft once per step inside that step's checkpoint.
 
@@ -69,12 +78,7 @@ class SoftCrossEntropy:
         self.hit_maps, self.valid_maps = {}, {}  # step i -> [B, T] bool per slot (acceptance.py's chains)
 
     def scored(self, i: int) -> torch.Tensor:
-        """[B, T] bool: the slots step i scores (slot t predicts token t+2+i: scored where that token has loss)."""
-        T = self.loss_mask.shape[1]
-        n = max(T - 2 - i, 0)
-        mask = torch.zeros_like(self.loss_mask)
-        mask[:, :n] = self.loss_mask[:, 2 + i : 2 + i + n]
-        return mask
+        return scored_slots(self.loss_mask, i)
 
     def used_slots(self, steps: int) -> list[torch.Tensor]:
         """Per step i, the [B, T] bool slots whose step-i output matters: scored at step i or later (a slot's

@@ -68,3 +68,29 @@ def test_a_chain_reaching_the_answer_end_counts_full_as_vllm_counts_it():
     missed = {i: valid[i].clone() for i in range(k)}
     missed[0][0, 5] = False  # the last token missed: the chain ends there, nothing past the end counts
     assert chains(missed) == (5.0, 2.0)
+
+
+def test_past_the_stop_the_last_draft_is_scored_against_what_the_target_says_there():
+    # The replay carries what the target says after its stop (the sample's tail): vLLM accepts a draft's
+    # tokens there only where they match it, so a miss past the stop ends the chain as any miss does.
+    from types import SimpleNamespace
+
+    k = 3
+    loss = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])  # answer: slots 2..7; tail (past the stop): 8..9
+    answer = acceptance.answer_mask(loss, [10], [2])
+    assert answer.tolist() == [[0, 0, 1, 1, 1, 1, 1, 1, 0, 0]]
+    input_ids = torch.arange(10, 20).view(1, 10)
+    target_top = torch.cat([input_ids[:, 1:], torch.tensor([[0]])], 1)
+    valid = {i: torch.zeros(1, 10, dtype=torch.bool) for i in range(k)}
+    for i in range(k):
+        valid[i][0, : 10 - 2 - i] = loss[0, 2 + i :].bool()
+
+    def chains(hits):
+        objective = SimpleNamespace(hit_maps=hits, valid_maps=valid, target_top=target_top)
+        return acceptance.batch_chains(objective, input_ids, loss, k, answer)[2:]
+
+    # anchor 1 drafts 3..5 (4 tokens), anchor 5 drafts 7 (the last), 8 and 9 (past the stop)
+    assert chains({i: valid[i].clone() for i in range(k)}) == (8.0, 2.0)
+    missed = {i: valid[i].clone() for i in range(k)}
+    missed[2][0, 5] = False  # its third token, the target's second past the stop, guessed wrong
+    assert chains(missed) == (7.0, 2.0)  # where counting past the stop as accepted would say 8

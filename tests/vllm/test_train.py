@@ -114,6 +114,25 @@ def test_aux_states_are_the_inputs_of_layers_in_vllm_convention(tiny_model):
     torch.testing.assert_close(target.logits(states.last), out.logits)
 
 
+def test_the_replay_carries_what_the_target_says_past_its_stop(tiny_model):
+    """held_out.greedy_samples: the target's greedy answer up to its stop, then past_stop argmax tokens
+    more (scored like the answer, marked as the tail), each what the target says after the ones before."""
+    from held_out import greedy_samples  # noqa: E402
+
+    target = OnlineTargetStates(str(tiny_model), None, torch.device("cpu"), torch.float32)
+    renderer = ChatRenderer.from_pretrained(str(tiny_model))
+    rows = [{"messages": [{"role": "user", "content": "What is 12 plus 7?"}]}]
+    (plain,) = greedy_samples(target.model, renderer, rows, 1, 64, 512, torch.device("cpu"))
+    (sample,) = greedy_samples(target.model, renderer, rows, 1, 64, 512, torch.device("cpu"), past_stop=2)
+    n = len(plain.ids)
+    assert plain.tail == 0 and int(plain.ids[-1]) in renderer.stop_ids()
+    assert sample.tail == 2 and sample.ids[:n].tolist() == plain.ids.tolist() and len(sample.ids) == n + 2
+    assert sample.mask[n:].all() and sample.mask.sum() == plain.mask.sum() + 2
+    with torch.no_grad():
+        logits = target.model(input_ids=sample.ids[None].long()).logits[0]
+    assert sample.ids[n:].tolist() == logits[n - 1 : n + 1].argmax(-1).tolist()
+
+
 def test_kept_states_are_what_the_target_says_of_each_sample_in_any_batch(tiny_model):
     """A CPU run keeps each sample's states from its first batch; later epochs group the samples
     differently (other widths, other neighbours), and what comes back must be the target's own there.
