@@ -34,7 +34,9 @@ TINY_PROMPTS = 24000  # rows of the tiny domain the demo can generate from (exam
 # 3.858 on average, 4 of 6 at least 3.85, and 249-304 s of steps with the machine's load. 40000 rows measured 3.861
 # (318 s), and an EMA of the weights over the cosine's second half 3.8567 against 3.8566 (seed 0). The bracketed
 # predictions counted each answer's last draft as accepted past the stop; scored against what the target says there
-# (held_out.py) the prediction equals vLLM's figure to 4 digits (3.8566, 3.8724, 3.8529, ...). Generation pays for
+# (held_out.py) the prediction equals vLLM's figure to 4 digits (3.8566, 3.8724, 3.8529, ...); a fresh demo's draw
+# then gave 3.856/3.8568 in 265.2 s. 8 heads of 32 measured +0.010 but cost 25% a step (in 1320 steps, equal time:
+# 3.8453/3.8636 against 3.8566/3.8724); two draft layers predicted +0.007 for 1.66x the time. Generation pays for
 # rows: 8000 take about 3 minutes. 200 rows seen 27 times reach 0.98 accuracy on what they trained on but
 # 0.86 on held-out rows (AL 3.13). A reduced draft vocabulary (256 of 512) exercises the d2t mapping real drafts use.
 # The demo measures greedy acceptance, which takes the target's argmax: labels sharpened to temperature 0.2 gain
