@@ -24,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 WORK=${GPU_CHECK_WORK:-/tmp/specops-gpu-check}
-NEEDS=(remote/train.py remote/train_plan.py remote/draft_model.py remote/ttt_objective.py remote/muon.py
+NEEDS=(remote/train.py remote/train_plan.py remote/draft_model.py remote/ttt_objective.py remote/muon.py remote/held_out.py remote/acceptance.py
        remote/extract.py remote/eval.py remote/make_tiny_model.py remote/states_dir.py bench/gpu_check.py bench/kimi-k2/config.json
        requirements/gpu.txt requirements/remote.txt specops/service_spec.py tests/helpers/kimi.py)
 STEPS=("install" "models" "attention" "train" "extract" "eval")
@@ -38,7 +38,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
     py=$(command -v python3)
     [[ -x .venv/bin/python ]] && py=.venv/bin/python
     "$py" -m py_compile bench/gpu_check.py remote/train.py remote/train_plan.py remote/draft_model.py \
-        remote/ttt_objective.py remote/muon.py || missing=1
+        remote/ttt_objective.py remote/muon.py remote/held_out.py remote/acceptance.py || missing=1
     "$py" remote/train.py --plan --target bench/kimi-k2 --states - --gpu-gb 141 --gpus 1 >/dev/null || missing=1
     bash -n "$0" || missing=1
     [[ $missing == 0 ]] && echo "dry run: ok" || echo "dry run: FAILED"
