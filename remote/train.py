@@ -79,7 +79,8 @@ def parse_args(argv=None):
                                                         "(no weights read) and exit: 0 if it fits, 2 if not")
     ap.add_argument("--gpu-gb", type=float, help="memory per GPU for the plan (default: this machine's GPU)")
     ap.add_argument("--gpus", type=int, help="GPUs for --plan (default: torchrun's world size, else this machine's)")
-    ap.add_argument("--draft-heads", type=int, help="draft attention heads (default: the target's)")
+    ap.add_argument("--draft-heads", type=int,
+                    help="draft attention heads, each as wide as the target's (default: the target's count)")
     ap.add_argument("--draft-kv-heads", type=int, help="draft kv heads (default: the target's, at most 8)")
     ap.add_argument("--draft-intermediate", type=int, help="draft MLP width (default: the target's intermediate_size)")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (capped at the target's)")

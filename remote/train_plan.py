@@ -65,12 +65,14 @@ def text_config(path: str) -> dict:
 
 
 def draft_shape(config: dict, draft_vocab: int, heads=None, kv_heads=None, intermediate=None) -> DraftShape:
-    """The draft's shape: the flags where given, else draft_defaults."""
+    """The draft's shape: the flags where given, else draft_defaults. Heads keep the target's head_dim
+    whatever their count: serving's attention kernels take the head sizes of the models they serve, and
+    hidden_size // heads need not be one (the tiny target's 128 // 8 = 16, which vLLM's CPU attention
+    refuses: "Unsupported CPU attention configuration: head_dim=16")."""
     d = draft_defaults(config)
     heads = heads or d["heads"]
     return DraftShape(hidden=config["hidden_size"], intermediate=intermediate or d["intermediate"], heads=heads,
-                      kv_heads=kv_heads or min(d["kv_heads"], heads),
-                      head_dim=d["head_dim"] if heads == d["heads"] else config["hidden_size"] // heads,
+                      kv_heads=kv_heads or min(d["kv_heads"], heads), head_dim=d["head_dim"],
                       draft_vocab=min(draft_vocab, config["vocab_size"]), vocab=config["vocab_size"])
 
 

@@ -360,11 +360,12 @@ def test_draft_shape_flags_reach_the_exported_config(tiny_model, tmp_path):
     out = train(tiny_model, chat_rows(tmp_path / "chat.jsonl"), tmp_path / "run", "--steps", "2", "--batch-tokens",
                 "512", "--draft-heads", "2", "--draft-kv-heads", "1", "--draft-intermediate", "96")
     config = json.loads((out / "draft" / "config.json").read_text())
-    H = config["hidden_size"]
+    H, D = config["hidden_size"], json.loads((tiny_model / "config.json").read_text())["head_dim"]
+    assert H // 2 != D  # the heads keep the target's width, not hidden_size // heads
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
-            config["intermediate_size"]) == (2, 1, H // 2, 96)
+            config["intermediate_size"]) == (2, 1, D, 96)
     tensors = load_file(out / "draft" / "model.safetensors")
-    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (H, 2 * H)
-    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (H // 2, 2 * H)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (2 * D, 2 * H)
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (D, 2 * H)
     assert tensors["midlayer.mlp.down_proj.weight"].shape == (H, 96)
     assert json.loads((out / "train_plan.json").read_text())["draft"]["intermediate"] == 96
