@@ -10,13 +10,16 @@ Starts vLLM with the target and `--speculative-config {"method": "eagle3", ...}`
 user turn of --n held-out prompts once per temperature ("default" sends none:
 the model's generation_config applies), and reads vLLM's /metrics counters
 before and after each pass: acceptance length = 1 + accepted / drafts, and the
-per-position acceptance rate. Then the same passes without the draft (a second
+per-position acceptance rate. vLLM counts a draft's acceptances before it trims the
+output at a stop, so beside it stands what the user receives per verification step:
+delivered length = (completion tokens - requests) / drafts (each request's first
+token comes from its prefill, which verifies no draft). Then the same passes without the draft (a second
 server; or --baseline-endpoint) give the output tokens/s the draft is compared
 with. Real requests, not /health: a broken draft can load and then kill the
 engine on its first request.
 
 Prints a table, a `specops-progress` line per pass, and writes --json OUT:
-{"acceptance_length", "per_position", "tokens_per_s": {"draft", "baseline"},
+{"acceptance_length", "delivered_length", "per_position", "tokens_per_s": {"draft", "baseline"},
 "speedup", "runs": [one per temperature]} (top-level figures: the first temperature).
 """
 import argparse
@@ -192,6 +195,7 @@ def measure(base_url, prompts, args, spec: bool, label: str) -> list[dict]:
                "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 2)}
         if spec:
             run.update(acceptance(before, scrape(base_url), args.k))
+            run["delivered_length"] = round((tokens - len(prompts)) / run["drafts"], 4) if run["drafts"] else None
         progress(stage=label, **{k: v for k, v in run.items() if k != "per_position"})
         runs.append(run)
     return runs
@@ -295,19 +299,23 @@ def report(args, spec_runs, base_runs) -> dict:
     first = runs[0]
     return {"target": args.target, "draft": args.draft, "endpoint": args.endpoint, "k": args.k,
             "n": args.n_sent, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-            "acceptance_length": first["acceptance_length"], "per_position": first["per_position"],
+            "acceptance_length": first["acceptance_length"], "delivered_length": first["delivered_length"],
+            "per_position": first["per_position"],
             "tokens_per_s": {"draft": first["tokens_per_s"], "baseline": first["baseline_tokens_per_s"]},
             "speedup": first["speedup"], "runs": runs, "skipped": args.skipped}
 
 
 def table(rep: dict) -> str:
-    rows = [f"{'temperature':>11}  {'AL':>6}  {'per position':<24}  {'tok/s draft':>11}  {'tok/s base':>10}  {'speedup':>7}"]
+    rows = [f"{'temperature':>11}  {'AL':>6}  {'delivered':>9}  {'per position':<24}  {'tok/s draft':>11}  "
+            f"{'tok/s base':>10}  {'speedup':>7}"]
     for r in rep["runs"]:
         al = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.3f}"
+        delivered = "-" if r.get("delivered_length") is None else f"{r['delivered_length']:.3f}"
         pp = " ".join(f"{p:.2f}" for p in r["per_position"])
         base = "-" if r["baseline_tokens_per_s"] is None else f"{r['baseline_tokens_per_s']:.1f}"
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        rows.append(f"{str(r['temperature']):>11}  {al:>6}  {pp:<24}  {r['tokens_per_s']:>11.1f}  {base:>10}  {speedup:>7}")
+        rows.append(f"{str(r['temperature']):>11}  {al:>6}  {delivered:>9}  {pp:<24}  {r['tokens_per_s']:>11.1f}  "
+                    f"{base:>10}  {speedup:>7}")
     return "\n".join(rows)
 
 

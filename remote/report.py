@@ -220,6 +220,7 @@ def train_page(run_dir: str, page: Page, source=None) -> None:
                 ["draft/ is the checkpoint of step", best.get("step", last["step"])],
                 ["its predicted acceptance length (held-out rows)", best.get("val_sim_al")],
                 ["its acceptance length measured in vLLM", best.get("measured_al")],
+                ["the tokens a verification step delivered there (stops trimmed)", best.get("measured_delivered")],
                 ["seconds of training steps that made it", best.get("train_s")],
                 ["draft vocabulary coverage of the loss tokens", last.get("vocab_coverage")],
                 ["tokens/s (median step)", sorted(rates)[len(rates) // 2] if rates else None]])
@@ -278,13 +279,15 @@ def eval_page(run_dir: str, page: Page, source=None) -> None:
         page.note("No measurement yet (report.json is missing).")
         return
     runs = rep["runs"]
-    page.table([[str(r.get("temperature")), r.get("acceptance_length"),
+    page.table([[str(r.get("temperature")), r.get("acceptance_length"), r.get("delivered_length"),
                  " ".join(f"{p:.2f}" for p in r.get("per_position") or []), r.get("tokens_per_s"),
                  r.get("baseline_tokens_per_s"), r.get("speedup")] for r in runs],
-               header=["temperature", "acceptance length", "acceptance per position", "tok/s with draft",
-                       "tok/s without", "speedup"])
+               header=["temperature", "acceptance length", "delivered length", "acceptance per position",
+                       "tok/s with draft", "tok/s without", "speedup"])
     page.note(f"k = {rep.get('k')} speculative tokens (acceptance length at most {(rep.get('k') or 0) + 1}), "
-              f"{rep.get('n')} prompts, max_tokens {rep.get('max_tokens')}.")
+              f"{rep.get('n')} prompts, max_tokens {rep.get('max_tokens')}. The acceptance length is vLLM's "
+              f"(it counts drafts accepted past a stop, before the output is trimmed there); the delivered "
+              f"length is the output tokens a verification step gave the user.")
     labels = [f"T={r.get('temperature')}" for r in runs]
     fig, (a, b) = figure(2)
     for label, r in zip(labels, runs):

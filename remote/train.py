@@ -334,8 +334,9 @@ def replace_dir(new: str, dest: str) -> None:
 
 
 def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
-    """remote/eval.py on this draft (greedy, no baseline): {"measured_al", "measured_per_position"}, or
-    {"measured_error"} when the measurement failed (training goes on; that step cannot become draft/)."""
+    """remote/eval.py on this draft (greedy, no baseline): {"measured_al", "measured_delivered",
+    "measured_per_position"}, or {"measured_error"} when the measurement failed (training goes on; that
+    step cannot become draft/)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the measuring vLLM asks for free memory next to this process
     out = os.path.join(args.out, "evals", f"step-{step}")
@@ -358,7 +359,8 @@ def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
                                   f"(log: {out}/eval.log)"}
     with open(os.path.join(out, "report.json")) as f:
         rep = json.load(f)
-    return {"measured_al": rep["acceptance_length"], "measured_per_position": rep["per_position"]}
+    return {"measured_al": rep["acceptance_length"], "measured_delivered": rep["delivered_length"],
+            "measured_per_position": rep["per_position"]}
 
 
 # ---------------------------------------------------------------- plan

@@ -221,8 +221,9 @@ def _eval(hosts, n, fresh, dest, check, out) -> str:
                                    out=out, extra=["--temperature", "0"])
         check(code, "eval")
     report = _read_json(hosts, "demo-eval", "report.json")
-    return (f"measured acceptance length {report.get('acceptance_length')} (K=3, max 4.0) on "
-            f"{report.get('n')} held-out prompts, speedup {report.get('speedup')}")
+    return (f"measured acceptance length {report.get('acceptance_length')} (K=3, max 4.0; "
+            f"{report.get('delivered_length')} tokens delivered a step) on {report.get('n')} held-out prompts, "
+            f"speedup {report.get('speedup')}")
 
 
 def _pull(hosts, dest, check, out) -> str:

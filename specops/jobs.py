@@ -315,6 +315,7 @@ def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, name
         if path.exists():
             reports[host.name] = json.loads(path.read_text())
     fanout.print_table([{"host": h, "acceptance_length": r.get("acceptance_length"),
+                         "delivered_length": r.get("delivered_length"),
                          "per_position": " ".join(f"{p:.2f}" for p in r.get("per_position", [])),
                          "tokens_per_s": _fmt_tps(r.get("tokens_per_s")), "speedup": r.get("speedup")}
                         for h, r in reports.items()], out=out)
