@@ -82,8 +82,12 @@ def draft_defaults(config: dict) -> dict:
     fewer kv heads (the tiny one: 2) keeps its own shape exactly."""
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
+    # An MLA target's head_dim, where its config class writes one (transformers' DeepseekV3Config: 64), is
+    # the rope part of a query head, not a head's width: the plan (config.json) and the run (the config
+    # object) would size the draft apart.
+    mla = config.get("kv_lora_rank") is not None
     return {"heads": heads, "kv_heads": min(kv, 8), "intermediate": config["intermediate_size"],
-            "head_dim": config.get("head_dim") or config["hidden_size"] // heads}
+            "head_dim": (None if mla else config.get("head_dim")) or config["hidden_size"] // heads}
 
 
 def step_activation_bytes(s: DraftShape, tokens: int, ttt: int, act: int = 2, states: int = None,

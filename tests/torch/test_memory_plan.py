@@ -72,3 +72,20 @@ def test_plans_activation_bytes_per_token_agree_with_a_cpu_measurement():
         measured = train_memory.measured_bytes_per_token(shape, 1024, 3, impl)
         planned = train_memory.planned_bytes_per_token(shape, 1024, 3, recompute=recompute)
         assert abs(planned - measured) <= 0.25 * measured, (impl, planned, measured)
+
+
+def test_draft_heads_are_as_wide_as_the_targets_whatever_their_count_or_config_class():
+    """Host-free: --draft-heads changes the count, not the width (hidden_size // heads can be a head size
+    serving refuses); an MLA target's config object may carry head_dim = its rope part (transformers'
+    DeepseekV3Config writes 64), which must not shrink the draft the plan sized from config.json."""
+    sys.path.insert(0, str(ROOT / "remote"))
+    import train_plan
+
+    kimi = json.loads(KIMI_CONFIG.read_text())
+    assert "head_dim" not in kimi and train_plan.draft_shape(kimi, 32000).head_dim == 7168 // 64
+    assert train_plan.draft_shape({**kimi, "head_dim": 64}, 32000).head_dim == 112
+    smaller = train_plan.draft_shape(kimi, 32000, heads=32, kv_heads=8)
+    assert (smaller.heads, smaller.kv_heads, smaller.head_dim) == (32, 8, 112)
+    gqa = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "intermediate_size": 256, "vocab_size": 512}
+    assert [train_plan.draft_shape(gqa, 256, heads=h).head_dim for h in (2, 4, 8)] == [32, 32, 32]
