@@ -21,8 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "remote"))
 
-KIMI_DRAFT = {"hidden": 7168, "intermediate": 18432, "heads": 64, "kv_heads": 8, "head_dim": 112,
-              "draft_vocab": 32000, "vocab": 163840}
 
 
 def row(**fields):
@@ -47,17 +45,16 @@ def real_step(args):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     torch.cuda.set_device(device)
     dist.init_process_group(train.process_group_backend(True))
-    d, B, T, k = KIMI_DRAFT, args.batch, args.tokens, args.ttt_steps
-    H, V, Vd = d["hidden"], d["vocab"], d["draft_vocab"]
-    shape = train_plan.DraftShape(**{k2: d[k2] for k2 in ("hidden", "intermediate", "heads", "kv_heads",
-                                                            "head_dim", "draft_vocab", "vocab")})
+    B, T, k = args.batch, args.tokens, args.ttt_steps
+    shape = train_plan.draft_shape(train_plan.text_config(str(ROOT / "bench" / "kimi-k2" / "config.json")), 32000)
+    H, V, Vd = shape.hidden, shape.vocab, shape.draft_vocab
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
     if args.plan_batch:  # the batch train.py's --batch-tokens auto picks on this GPU, in samples of T tokens
         auto = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=gpu_gb, ttt=k, batch_tokens="auto", max_len=T,
                                online=False, ddp=True)
         B = auto["batch_tokens"] // T
-    c = DraftConfig(hidden_size=H, intermediate_size=d["intermediate"], num_attention_heads=d["heads"],
-                    num_key_value_heads=d["kv_heads"], head_dim=d["head_dim"], vocab_size=V, draft_vocab_size=Vd,
+    c = DraftConfig(hidden_size=H, intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+                    num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=V, draft_vocab_size=Vd,
                     aux_layer_ids=[2, 30, 58], max_position_embeddings=131072)
     vocab_ids = torch.arange(0, V, V // Vd)[:Vd].to(device)
     embed = (torch.randn(V, H, device=device) * 0.02).to(torch.bfloat16)

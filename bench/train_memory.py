@@ -14,6 +14,7 @@ plan's figure (remote/train_plan.py, the same shape and dtype) stands beside eac
 The plain step's dense [T, k*T] mask adds bytes per token that grow with T, on top.
 """
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -26,15 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "remote"))
 from draft_model import DraftConfig, Eagle3Draft  # noqa: E402
-from train_plan import DraftShape, step_activation_bytes  # noqa: E402
+from train_plan import DraftShape, draft_shape, step_activation_bytes, text_config  # noqa: E402
 from ttt_objective import SoftCrossEntropy, target_distribution  # noqa: E402
 
 # glibc keeps freed heap memory, and after one big free serves blocks up to 32 MB from the heap:
 # a fixed mmap threshold hands every tensor's memory back when it is freed, so the peak is peak use
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 CHUNK_ROWS = 128  # loss rows per chunk at reduced widths (2097 at Kimi's Vd 32000)
-KIMI = {"hidden": 7168, "intermediate": 18432, "heads": 64, "kv_heads": 8, "head_dim": 112, "draft_vocab": 32000,
-        "vocab": 163840}
+# the draft train.py shapes for Kimi-K2 at the default draft vocabulary (train_plan's rule, one home)
+KIMI = dataclasses.asdict(draft_shape(text_config(str(ROOT / "bench" / "kimi-k2" / "config.json")), 32000))
 
 
 def scaled(scale: int) -> dict:

@@ -13,9 +13,9 @@ before and after each pass: acceptance length = 1 + accepted / drafts, and the
 per-position acceptance rate. vLLM counts a draft's acceptances before it trims the
 output at a stop, so beside it stands what the user receives per verification step:
 delivered length = (completion tokens - requests) / drafts (each request's first
-token comes from its prefill, which verifies no draft). Then the same passes without the draft (a second
-server; or --baseline-endpoint) give the output tokens/s the draft is compared
-with. Real requests, not /health: a broken draft can load and then kill the
+token comes from its prefill, which verifies no draft). Then the same passes
+without the draft (a second server; or --baseline-endpoint) give the output
+tokens/s the draft is compared with. Real requests, not /health: a broken draft can load and then kill the
 engine on its first request.
 
 Prints a table, a `specops-progress` line per pass, and writes --json OUT:

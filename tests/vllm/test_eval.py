@@ -54,7 +54,7 @@ def test_trained_draft_accepts_far_more_than_a_random_one(tiny_model, trained_ru
     assert random["speedup"] is None  # no baseline endpoint given
     print(f"AL random {random['acceptance_length']}, delivered {random['delivered_length']}")
     # a draft that is almost never accepted has nothing accepted past a stop: both figures count the same
-    # tokens (1173 completion tokens less 30 prefills over 1172 drafts), so the prefill count is right
+    # tokens, so they agree where the prefills are subtracted (measured: 1.0009 both; 1.026 without)
     assert abs(random["delivered_length"] - random["acceptance_length"]) < 0.005
     assert report["acceptance_length"] > random["acceptance_length"] + 1.0
 
