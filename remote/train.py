@@ -93,6 +93,10 @@ def parse_args(argv=None):
     length = ap.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=float, help="passes over the data (default 1)")
     length.add_argument("--steps", type=int, help="optimizer steps")
+    ap.add_argument("--time-budget", type=float, metavar="SECONDS",
+                    help="stop after this many seconds of training steps (evaluations and saves not counted), or "
+                         "at --steps/--epochs if sooner; the learning-rate schedule runs on whichever runs out first, "
+                         "so a slower machine trains fewer steps to the same end of its schedule")
     ap.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate (with --optimizer muon: the "
                                                             "norms' and the head's)")
     ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
@@ -122,7 +126,10 @@ def parse_args(argv=None):
     ap.add_argument("--eval-max-tokens", type=int, default=256,
                     help="max_tokens of the held-out requests, measured and predicted alike")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the draft's initialization and the data order")
+    ap.add_argument("--split-seed", type=int, default=0,
+                    help="which rows --val-fraction holds out; apart from --seed so that runs differing in "
+                         "seed are measured on the same rows")
     ap.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard event files into OUT")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the checkpoint's own config/tokenizer code (Kimi-K2), as vLLM's flag of that name")
@@ -157,6 +164,10 @@ def parse_args(argv=None):
         ap.error("--draft-heads must be a multiple of --draft-kv-heads")
     if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
         ap.error("--steps/--epochs must be positive")
+    if args.time_budget is not None and args.time_budget <= 0:
+        ap.error("--time-budget must be positive seconds")
+    if args.time_budget and args.stream:
+        ap.error("--stream deletes each shard after its last step: give it whole --epochs, not --time-budget")
     if not 0 <= args.warmup < 1:
         ap.error("--warmup is a fraction in [0, 1)")
     if args.stream and args.val_fraction:
@@ -246,7 +257,8 @@ def fingerprint(args, world: int, aux_ids, total_steps: int) -> dict:
         "label_temperature": args.label_temperature,
         "draft_vocab": args.draft_vocab, "aux_layer_ids": list(aux_ids), "total_steps": total_steps,
         "lr": args.lr, "warmup": args.warmup, "grad_clip": args.grad_clip, "dtype": args.dtype,
-        "include_truncated": args.include_truncated, "val_fraction": args.val_fraction, "head_init": args.head_init,
+        "include_truncated": args.include_truncated, "val_fraction": args.val_fraction,
+        "split_seed": args.split_seed, "time_budget": args.time_budget, "head_init": args.head_init,
         **({"optimizer": args.optimizer, "muon_lr": args.muon_lr} if args.optimizer != "adamw" else {}),
     }  # AdamW runs leave the optimizer out, so checkpoints from before --optimizer still resume
 
@@ -292,6 +304,7 @@ def optimizer_card(args) -> str:
 def model_card(args, target, stats, vocab_size, draft_vocab_size, aux_ids, step, metrics) -> str:
     acc = ", ".join(f"{metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("acc_"))
     spec = json.dumps({"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3})
+    budget = f", time budget {args.time_budget:g} s" if args.time_budget else ""
     return f"""# EAGLE-3 draft for `{args.target}`
 
 Trained by specops `remote/train.py` (one Llama decoder layer over three target hidden states;
@@ -302,7 +315,7 @@ embeddings are the target's, left out of this checkpoint).
 | target | `{args.target}` ({target.config.num_hidden_layers} layers, hidden {target.config.hidden_size}) |
 | data | {", ".join(f"`{p}`" for p in data_files(args.data))} |
 | rows / samples / tokens | {stats["rows"]} / {stats["samples"]} / {stats["tokens"]} ({stats["loss_tokens"]} trained on) |
-| steps | {step} (batch {args.batch_tokens} tokens, {optimizer_card(args)}, seed {args.seed}) |
+| steps | {step} (batch {args.batch_tokens} tokens, {optimizer_card(args)}, seed {args.seed}{budget}) |
 | draft vocabulary | {draft_vocab_size} of {vocab_size} |
 | aux layer ids (vLLM: input of layer k) | {aux_ids} |
 | TTT | {args.ttt_steps} steps, decay {args.ttt_decay} |
@@ -485,7 +498,7 @@ def main(argv=None):
         raise Refused(f"no trainable samples in {args.data} ({stats})")
     # Held out: whole rows never trained on (nor any row asking the same prompt), where the acceptance
     # length serving will see is predicted.
-    held_out = held_out_rows(stats["rows"], args.val_fraction, args.seed)
+    held_out = held_out_rows(stats["rows"], args.val_fraction, args.split_seed)
     held_out_records, untrained = held_out_data.records(args.data, held_out) if held_out else ([], set())
     train_index = [i for i, s in enumerate(samples) if s.row not in untrained]
     if not train_index:
@@ -572,8 +585,14 @@ def main(argv=None):
     else:
         opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     warmup = math.ceil(args.warmup * total_steps)
+    clock = {"train_s": 0.0}  # the steps' own seconds so far, which --time-budget's schedule runs on
 
     def lr_factor(step):  # linear warmup, then cosine to zero
+        if args.time_budget:  # over the share of the run done: of its steps, or of its seconds if further on
+            done = max(step / total_steps, clock["train_s"] / args.time_budget)
+            if done < args.warmup:
+                return (done + 1 / total_steps) / args.warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (done - args.warmup) / (1 - args.warmup))))
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
@@ -699,7 +718,19 @@ def main(argv=None):
     t0 = last_print = time.monotonic()
     tokens_seen = 0
     train_s = metrics.get("train_s", 0.0)  # the steps' own seconds, evaluations and saves left out; kept on resume
+
+    def steps_and_eta(steps_done: int, wall_s: float, train_s: float) -> tuple[int, float]:
+        """The steps the run will end at and the seconds left: with --time-budget, by the pace so far."""
+        eta = (total_steps - steps_done) * wall_s / (steps_done - start_step)
+        if not args.time_budget or train_s <= 0:
+            return total_steps, eta
+        expected = min(total_steps, round(steps_done * args.time_budget / train_s))
+        return max(expected, steps_done), min(eta, max(0.0, args.time_budget - train_s))
+
+    final_step = start_step
     for step in range(start_step, total_steps):
+        if args.time_budget and train_s >= args.time_budget:  # a resumed run that had spent its budget
+            break
         step_t0 = time.monotonic()
         epoch, index, payload = next(batches)
         objective, per_step, input_ids, attention, loss_mask = forward(model, index, payload)
@@ -709,7 +740,6 @@ def main(argv=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip)
         opt.step()
-        sched.step()
 
         totals = torch.cat([loss.detach().float().view(1), correct.float(), counted.float(),
                             attention.sum().float().view(1), torch.tensor([float(len(index))], device=device)])
@@ -726,6 +756,13 @@ def main(argv=None):
         tokens_seen += tokens
         step_s = time.monotonic() - step_t0
         train_s += step_s
+        if distributed and args.time_budget:  # every rank stops at the same step: the slowest one's clock
+            clock_s = torch.tensor([train_s], dtype=torch.float64, device=device)
+            dist.all_reduce(clock_s, op=dist.ReduceOp.MAX)
+            train_s = clock_s.item()
+        clock["train_s"] = train_s
+        sched.step()
+        last = step + 1 == total_steps or bool(args.time_budget and train_s >= args.time_budget)
         metrics = {"step": step + 1, "epoch": epoch, "loss": round(totals[0].item() / world, 5),
                    **{f"acc_{i}": round(a, 4) for i, a in enumerate(acc)},
                    "sim_al": round(chains[2].item() / max(1.0, chains[3].item()), 4),  # acceptance.py: vLLM's walk
@@ -735,7 +772,7 @@ def main(argv=None):
                    "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}
         loss_ids = input_ids[loss_mask.bool()]  # how much of this batch's loss tokens the draft vocabulary covers
         metrics["vocab_coverage"] = round(in_vocab[loss_ids].float().sum().item() / max(1, loss_ids.numel()), 4)
-        evaluated = bool(val_index) and (step + 1 == total_steps or (args.eval_every and (step + 1) % args.eval_every == 0))
+        evaluated = bool(val_index) and (last or (args.eval_every and (step + 1) % args.eval_every == 0))
         if evaluated:
             metrics.update(evaluate(step + 1, train_s))
         if writer:
@@ -745,32 +782,36 @@ def main(argv=None):
                 if key not in ("step", "epoch") and isinstance(value, (int, float)):
                     tensorboard.add_scalar(f"train/{key}", value, step + 1)
         now = time.monotonic()
-        if now - last_print > PROGRESS_EVERY_S or step + 1 == total_steps:
+        if now - last_print > PROGRESS_EVERY_S or last:
             last_print = now
             rate = tokens_seen / (now - t0)
-            progress(stage="train", step=step + 1, steps=total_steps, epoch=epoch, loss=metrics["loss"],
+            steps, eta = (step + 1, 0.0) if last else steps_and_eta(step + 1, now - t0, train_s)
+            progress(stage="train", step=step + 1, steps=steps, epoch=epoch, loss=metrics["loss"],
                      acc_0=metrics["acc_0"], sim_al=metrics["sim_al"], tok_s=round(rate, 1),
-                     lr=metrics["lr"], eta_s=round((total_steps - step - 1) * (now - t0) / (step + 1 - start_step)))
+                     lr=metrics["lr"], eta_s=round(eta))
             if writer:
                 report.refresh(args.out, "train")
         shard_done = stream is not None and stream.checkpoint_due(step + 1)  # its shard may go after a save
-        if writer and ((step + 1) % args.save_every == 0 or step + 1 == total_steps or shard_done or evaluated):
+        if writer and ((step + 1) % args.save_every == 0 or last or shard_done or evaluated):
             save_checkpoint(ckpt_path, step + 1, draft, opt, sched, vocab_ids, fp, metrics, best)
             if stream:
                 stream.saved(step + 1)
+        final_step = step + 1
+        if last:
+            break
 
     # Export: the last step's draft, unless evaluations kept their best as draft/ already.
     if writer:
         if not val_index:
-            export_draft(os.path.join(args.out, "draft"), total_steps, metrics)
+            export_draft(os.path.join(args.out, "draft"), final_step, metrics)
         if tensorboard:
             tensorboard.close()
         report.finish(args.out, "train")
     if distributed:
         leave_process_group()
-    progress(stage="done", steps=total_steps, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
+    progress(stage="done", steps=final_step, loss=metrics.get("loss"), acc_0=metrics.get("acc_0"),
              sim_al=metrics.get("sim_al"), val_sim_al=metrics.get("val_sim_al"),
-             measured_al=metrics.get("measured_al"), draft_step=best["step"] if best else total_steps,
+             measured_al=metrics.get("measured_al"), draft_step=best["step"] if best else final_step,
              train_s=metrics.get("train_s"), draft=os.path.join(args.out, "draft"))
 
 

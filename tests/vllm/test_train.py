@@ -183,6 +183,40 @@ def test_the_held_out_prediction_is_within_0_1_of_what_vllm_measures(trained_run
     assert abs(last["val_sim_al"] - last["measured_al"]) <= 0.1, last
 
 
+def test_runs_that_differ_in_seed_are_measured_on_the_same_held_out_rows(tiny_model, generated_data, trained_run,
+                                                                        tmp_path):
+    """--seed changes the draft's start and the data order, not the held-out rows (--split-seed picks those):
+    otherwise two seeds' acceptance lengths compare two different sets of prompts."""
+    def two_steps(*flags):  # fp32 as trained_run, whose first loss the other seed's must differ from
+        return train(tiny_model, generated_data, tmp_path / "-".join(flags), "--steps", "2", "--dtype", "fp32", *flags)
+
+    other_seed, other_split = two_steps("--seed", "1"), two_steps("--split-seed", "1")
+    rows = (trained_run / "heldout.jsonl").read_text()
+    assert rows and (other_seed / "heldout.jsonl").read_text() == rows
+    assert (other_split / "heldout.jsonl").read_text() != rows
+    assert metrics(other_seed)[0]["loss"] != metrics(trained_run)[0]["loss"]  # the seed still reaches training
+
+
+def test_a_time_budget_ends_the_run_and_its_schedule_on_the_clock(tiny_model, generated_data, tmp_path):
+    """--time-budget: the steps stop at the first one past the budget, long before --steps, with the cosine
+    run to its end (lr 0), the held-out rows scored and the draft exported there; a resume adds nothing."""
+    args = ["--steps", "100000", "--time-budget", "4", "--warmup", "0.3", "--dtype", "fp32"]  # warmup: ~1.2 s
+    out = train(tiny_model, generated_data, tmp_path / "budget", *args)
+    rows = metrics(out)
+    assert 5 < len(rows) < 100000 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert rows[-1]["train_s"] >= 4 > rows[-2]["train_s"]
+    lrs = [r["lr"] for r in rows]
+    peak = lrs.index(max(lrs))
+    assert lrs[0] < lrs[peak] and lrs[-1] == 0.0  # warmup, then the cosine down to zero at the budget
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1 :]))
+    (scored,) = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+    assert scored["step"] == len(rows) and (out / "draft" / "model.safetensors").is_file()
+    assert f"| steps | {len(rows)} " in (out / "draft" / "README.md").read_text()
+
+    run_script("train.py", *train_args(tiny_model, generated_data, out, *args), "--resume")
+    assert len(metrics(out)) == len(rows)
+
+
 def test_export_is_exactly_what_vllm_loads(trained_run, tiny_model):
     draft = trained_run / "draft"
     tensors = load_file(draft / "model.safetensors")
