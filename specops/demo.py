@@ -63,8 +63,11 @@ TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3
                      "--draft-intermediate", "1024", "--optimizer", "muon"]
 TRAIN_STEPS = 1500
 # The issue's budget is 5 CPU minutes of training: 1500 steps take 237-276 s where the CPU multiplies bf16 (above),
-# but ~400 s on one that does not (an Ice Lake Xeon: 0.26-0.28 s a step in fp32). The steps stop at this many
-# seconds, and the schedule with them (train.py --time-budget), so a slower CPU trains fewer steps in the budget.
+# but 407 s on one that does not (an Ice Lake Xeon, fp32: 3.8432). The steps stop at this many seconds, and the
+# schedule with them (train.py --time-budget): there 285 s gave 1211 and 997 steps, 3.8402 and 3.8467 (seed 1:
+# 3.8419). Which rows are held out moves the figure more than the seed or the steps: the same draw and seed
+# measured 3.7844 on --split-seed 1's 400 rows. The demo's rows are always split 0's. MLP 768 in the same 285 s:
+# 1263 steps, 3.8462 (seed 0; only 4% more steps on this CPU).
 TRAIN_BUDGET_S = 285
 HELD_OUT_ROWS = 400  # what train predicts on and measures, and eval measures again with the baseline
 
