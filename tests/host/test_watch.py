@@ -106,7 +106,8 @@ def test_logs_follow_piped_shows_progress_in_words_never_machine_lines(tmp_path,
 
 def test_logs_follow_on_a_terminal_redraws_one_live_line(tmp_path, ssh_host):
     path, [host] = prepare(tmp_path, [ssh_host])
-    run_id = start([host], PROGRESS_WRITER, 8, 0.5)
+    # 12 s of run: `inv logs` must attach while it is live (on a slow CPU its start took over the 4 s 0.5 s gave)
+    run_id = start([host], PROGRESS_WRITER, 8, 1.5)
     raw = run_in_pty(["logs", run_id, "--on", "bed", "--follow"], path)
     text = raw.decode("utf-8", "replace")
     assert "specops-progress" not in text
