@@ -11,6 +11,7 @@
 #      GPU: tokens/s,
 #      torch.cuda.max_memory_allocated against the plan;
 #      and remote/train.py itself under torchrun on the tiny target (process group, DDP, metrics all-reduce,
+#      --time-budget's per-step clock all-reduce MAX of a CUDA float64 through NCCL (600 s: it never binds),
 #      greedy held-out replay, --eval-vllm: a vLLM measuring checkpoints beside the NCCL job)
 #   4. (b) vLLM serving the Kimi-shaped target in extraction mode with the stock ExampleHiddenStatesConnector
 #      (inv serve --extract's command line for a gpu host), remote/extract.py against it
@@ -104,7 +105,7 @@ EVAL_VLLM=(--eval-vllm --eval-arg=--max-model-len=1024 --eval-arg=--vllm-arg=--g
 [[ $VLLM == 1 ]] || EVAL_VLLM=()
 step train_tiny 300 $PY -m torch.distributed.run --standalone --nproc-per-node 1 remote/train.py \
     --target "$WORK/tiny" --data "$WORK/chat.jsonl" --out "$WORK/run" --steps 200 --lr 1e-2 --ttt-steps 3 \
-    --optimizer muon --batch-tokens 2048 --val-fraction 0.1 --eval-every 100 "${EVAL_VLLM[@]}"
+    --optimizer muon --batch-tokens 2048 --val-fraction 0.1 --eval-every 100 --time-budget 600 "${EVAL_VLLM[@]}"
 [[ $VLLM == 1 && -f "$WORK/run/evals.jsonl" ]] && $PY -c 'import json,sys; e=[json.loads(l) for l in open(sys.argv[1])]; print(json.dumps({"step": "a: vLLM beside NCCL training (predicted vs measured AL)", "ok": all("measured_al" in x for x in e), "evals": [{k: x.get(k) for k in ("step", "val_sim_al", "measured_al", "measured_error")} for x in e]}))' "$WORK/run/evals.jsonl" >> "$ROWS"
 $PY remote/train.py --plan --target bench/kimi-k2 --states - --gpus 8 > "$WORK/plan.txt" && head -1 "$WORK/plan.txt" \
     | $PY -c 'import json,sys; p=json.load(sys.stdin); print(json.dumps({"step": "plan: Kimi-K2 on 8 of this GPU", "ok": p["fits"], "batch_tokens": p["batch_tokens"], "peak_gb": p["peak_gb"], "tokens_per_s": p["tokens_per_s"]}))' >> "$ROWS"
