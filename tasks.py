@@ -170,7 +170,7 @@ def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n
 @task(help={"on": "the local host to run on (default: the `local` group)", "inventory": HOST_HELP["inventory"],
             "rows": "prompts to generate answers for", "train_steps": "draft training steps, at most",
             "train_seconds": "seconds of training steps, at most (the schedule ends there on a slower CPU)",
-            "eval_n": "prompts for the acceptance-length measurement",
+            "eval_n": "rows held out of training, on which train and eval measure acceptance length",
             "fresh": "redo generate/train/eval even if finished runs exist", "dest": "where pulled artifacts go"})
 def demo(c, on=None, inventory=None, rows=demo_mod.TINY_PROMPTS, train_steps=demo_mod.TRAIN_STEPS,
          train_seconds=demo_mod.TRAIN_BUDGET_S, eval_n=demo_mod.HELD_OUT_ROWS, fresh=False, dest="artifacts"):

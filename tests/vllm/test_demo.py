@@ -43,7 +43,7 @@ all:
         assert stage in summary, summary
     al = float(re.search(r"measured acceptance length ([\d.]+)", summary).group(1))
     # the trained draft is accepted on prompts it never trained on: a random draft of its shape gets ~1.0
-    # (tests/vllm/test_eval.py); 80 steps on these 75 rows measured 2.31, and 2.40 with sharpened labels
+    # (tests/vllm/test_eval.py); 80 steps on 75 of these rows measured 2.31, and 2.40 with sharpened labels
     # (30 rows: 1.99, too few to generalise)
     assert al > 2.0, summary
     # train shows what it predicted on the held-out rows and what vLLM measured there (both figures), and the
