@@ -68,9 +68,10 @@ TRAIN_STEPS = 1500
 # 3.8419). Which rows are held out moves the figure more than the seed or the steps: the same draw and seed
 # measured 3.7844 on --split-seed 1's 400 rows. The demo's rows are always split 0's. MLP 768 in the same 285 s:
 # 1263 steps, 3.8462 (seed 0; only 4% more steps on this CPU). On an AMD EPYC (Zen 4, bf16) a fresh demo's 1500
-# steps took 271.6 s and measured 3.8561 (seed 1: 3.8482; split 1 and 2: 3.8625, 3.8536), but 1200 held-out rows
-# 3.8291, and that draft 3.8379 on split 0's 400 rows, 0.018 below the demo's own: a shuffle of 3% fewer rows moved
-# it as far as the split. The recipe sits at 3.85 within about 0.02 either way; --eval-n 1200 measures it closer.
+# steps took 271.6 s and measured 3.8561 (seed 1: 3.8482; split 1 and 2: 3.8625, 3.8536). 1200 held-out rows
+# measured 3.8291/3.8301 (seeds 0/1), but they drop 3835 rows from training, not 1478 (every row sharing a held-out
+# prompt goes too): that draft measured 3.8379 on split 0's 400 rows, 0.018 below the demo's own, and 3.8247 on the
+# other 800. The recipe sits at 3.85 within about 0.02 either way.
 TRAIN_BUDGET_S = 285
 HELD_OUT_ROWS = 400  # held out of training: train predicts and measures on them, eval measures them again
 
