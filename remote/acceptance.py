@@ -95,3 +95,21 @@ def batch_chains(objective, input_ids: torch.Tensor, loss_mask: torch.Tensor, k:
     lengths = chain_lengths(hits.flatten(1), valid.flatten(1))
     tokens, drafts = walk(1 + (hits | ~valid).long().cumprod(0).sum(0), loss_mask if answer is None else answer)
     return float(lengths.sum()), float(lengths.numel()), float(tokens), float(drafts)
+
+
+SURE = 0.9  # the target's probability of its own argmax at or above which a token counts as one it is sure of
+
+
+def hits_by_certainty(hits: torch.Tensor, scored: torch.Tensor, target_top_p: torch.Tensor) -> tuple[float, ...]:
+    """(hits, slots) where the target is sure of the token guessed, then (hits, slots) where it is not.
+
+    hits, scored [B, T] bool: step 0's hits and scored slots (slot t guesses the target's argmax at t+1);
+    target_top_p [B, T]: the target's probability of its argmax at each position. A draft that misses
+    where the target is sure has something left to learn; where the target hesitates between tokens, its
+    argmax turns on details of its own next layers, and a one-layer draft's misses there are mostly the
+    target's coin flips (a demo draft: 1.000 where sure, 84% of its tokens; 0.856 where not).
+    """
+    sure = torch.zeros_like(scored)
+    sure[:, :-1] = target_top_p[:, 1:] >= SURE
+    sure, unsure = scored & sure, scored & ~sure
+    return (float((hits & sure).sum()), float(sure.sum()), float((hits & unsure).sum()), float(unsure.sum()))

@@ -221,6 +221,7 @@ def train_page(run_dir: str, page: Page, source=None) -> None:
                 ["its predicted acceptance length (held-out rows)", best.get("val_sim_al")],
                 ["its acceptance length measured in vLLM", best.get("measured_al")],
                 ["the tokens a verification step delivered there (stops trimmed)", best.get("measured_delivered")],
+                ["its first-token accuracy where the target is sure of the token (p ≥ 0.9), and elsewhere", certainty(best)],
                 ["seconds of training steps that made it", best.get("train_s")],
                 ["draft vocabulary coverage of the loss tokens", last.get("vocab_coverage")],
                 ["tokens/s (median step)", sorted(rates)[len(rates) // 2] if rates else None]])
@@ -262,6 +263,14 @@ def train_page(run_dir: str, page: Page, source=None) -> None:
     curve("lr", "Learning rate", "lr", color="#8e6bbf")
     curve("tokens_per_s", "Training throughput", "tokens/s", color="#e69f00", smoothed=True)
     curve("vocab_coverage", "Draft vocabulary's coverage of the batch's loss tokens", "fraction", color="#c0392b")
+
+
+def certainty(figures: dict) -> str | None:
+    """Where the held-out misses are (train.py's validation): on tokens the target is sure of, or elsewhere."""
+    sure, unsure, share = (figures.get(k) for k in ("val_acc_0_sure", "val_acc_0_unsure", "val_sure_share"))
+    if not all(num(v) for v in (sure, unsure, share)):
+        return None
+    return f"{sure:.3f} on {share:.0%} of the tokens; {unsure:.3f} on the other {1 - share:.0%}"
 
 
 def smooth(values):

@@ -637,20 +637,22 @@ def main(argv=None):
             index = [train_index[j] for j in batch]
             target.states(*collate(samples, index, pad_id, device)[:2], index)
 
-    def forward(net, index, payload=None):
+    def forward(net, index, payload=None, certainty=False):
         """One batch through the target's states and the draft's TTT steps: (objective, per-step
-        (loss, correct, counted), input_ids, attention, loss_mask)."""
+        (loss, correct, counted), input_ids, attention, loss_mask). certainty: the objective keeps the
+        target's probability of its argmax too (validation's split of the hits)."""
         input_ids, attention, loss_mask = collate(samples, index, pad_id, device)
         states = target.states(input_ids, attention, index, payload) if payload else \
             target.states(input_ids, attention, index)
-        target_vd, target_top = target_distribution(target.normed(states.last), target.head_weight, head_vd)
+        target_vd, target_top, target_top_p = target_distribution(target.normed(states.last), target.head_weight,
+                                                                  head_vd, with_top_p=certainty)
         if args.label_temperature != 1.0:
             target_vd = target_vd / args.label_temperature
         # Recompute each TTT step and loss chunk in backward on a GPU, where memory binds; a CPU host keeps
         # their tensors (train_plan counts them so: recompute=False) and saves 40% of the step's time
         # (demo: 0.24 -> 0.16 s for the steps, 0.152 -> 0.140 s more for the loss chunks).
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay,
-                                     recompute=use_cuda)
+                                     recompute=use_cuda, target_top_p=target_top_p)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             per_step = net(input_ids, states.aux, args.ttt_steps, objective, checkpoint=use_cuda,
                            used=objective.used_slots(args.ttt_steps))
@@ -663,8 +665,9 @@ def main(argv=None):
         """Accuracy per step and the predicted acceptance length (vLLM's walk) on the held-out rows."""
         k = args.ttt_steps
         sums = torch.zeros(2 * k + 2, dtype=torch.float64, device=device)
+        certainty = torch.zeros(4, dtype=torch.float64, device=device)  # acceptance.hits_by_certainty's sums
         for index in val_batches:
-            objective, _, input_ids, _, loss_mask = forward(draft, index)
+            objective, _, input_ids, _, loss_mask = forward(draft, index, certainty=True)
             # accuracy on the answers; the replay's tokens past the stop are scored for the walk alone
             answer = acceptance.answer_mask(loss_mask, [len(samples[j].ids) for j in index],
                                             [samples[j].tail for j in index])
@@ -673,11 +676,20 @@ def main(argv=None):
             sums[k : 2 * k] += torch.stack([scored[i].sum() for i in range(k)]).double()
             sums[2 * k :] += torch.tensor(acceptance.batch_chains(objective, input_ids, loss_mask, k, answer)[2:],
                                           dtype=torch.float64, device=device)
+            certainty += torch.tensor(acceptance.hits_by_certainty(objective.hit_maps[0], scored[0],
+                                                                   objective.target_top_p), dtype=torch.float64,
+                                      device=device)
         if distributed:
             dist.all_reduce(sums)
+            dist.all_reduce(certainty)
         acc = (sums[:k] / sums[k : 2 * k].clamp(min=1)).tolist()
+        sure_hits, sure, unsure_hits, unsure = certainty.tolist()
         return {"val_sim_al": round(sums[2 * k].item() / max(1.0, sums[2 * k + 1].item()), 4),
-                **{f"val_acc_{i}": round(a, 4) for i, a in enumerate(acc)}}
+                **{f"val_acc_{i}": round(a, 4) for i, a in enumerate(acc)},
+                # where the first draft token misses: on tokens the target is sure of, or on its own coin flips
+                "val_acc_0_sure": round(sure_hits / max(1.0, sure), 4),
+                "val_acc_0_unsure": round(unsure_hits / max(1.0, unsure), 4),
+                "val_sure_share": round(sure / max(1.0, sure + unsure), 4)}
 
     def export_draft(path, step, figures):
         export(draft, path, dtype, model_card(args, target, stats, V, len(vocab_ids), target.aux_layer_ids, step,

@@ -6,7 +6,8 @@ k TTT steps, fp32 logits and log-softmax over the draft vocabulary kept for back
 (~2 MB a token). Here instead:
 
 - `target_distribution`: the target's logits over the draft vocabulary only (its head's
-  Vd rows), and its full-vocabulary argmax found chunk by chunk of the vocabulary;
+  Vd rows), and its full-vocabulary argmax and that argmax's probability, found chunk by chunk
+  of the vocabulary;
 - `SoftCrossEntropy`: the per-step loss over the loss-masked tokens only, in chunks of
   rows, each chunk recomputed in backward on a GPU: no [T, Vd] fp32 tensor outlives its chunk.
 
@@ -26,23 +27,28 @@ def ce_chunk_rows(draft_vocab: int, chunk_bytes: int = CE_CHUNK_BYTES) -> int:
 
 @torch.no_grad()
 def target_distribution(normed: torch.Tensor, head: torch.Tensor, head_vd: torch.Tensor,
-                        vocab_chunk: int = VOCAB_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                        vocab_chunk: int = VOCAB_CHUNK, with_top_p: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """normed [B, T, H] (the target's final-normed last state), head [V, H], head_vd = head[vocab_ids].
 
-    Returns (logits over the draft vocabulary [B, T, Vd], argmax over the whole vocabulary [B, T]);
-    ties go to the lower id, as torch.argmax does. Peak: one [B, T, vocab_chunk] block.
+    Returns (logits over the draft vocabulary [B, T, Vd], argmax over the whole vocabulary [B, T], and
+    with_top_p the target's own probability of that argmax [B, T] fp32, else None); ties go to the lower
+    id, as torch.argmax does. Peak: one [B, T, vocab_chunk] block (with_top_p: and its fp32 exponentials,
+    which training steps do not pay for: validation alone asks).
     """
     logits_vd = normed @ head_vd.T
-    best_val = best_idx = None
+    best_val = best_idx = lse = None
     for a in range(0, head.shape[0], vocab_chunk):
-        val, idx = (normed @ head[a : a + vocab_chunk].T).max(-1)
-        idx = idx + a
+        logits = normed @ head[a : a + vocab_chunk].T
+        val, idx = logits.max(-1)
+        idx, chunk_lse = idx + a, logits.float().logsumexp(-1) if with_top_p else None
         if best_val is None:
-            best_val, best_idx = val, idx
+            best_val, best_idx, lse = val, idx, chunk_lse
         else:
             better = val > best_val
             best_val, best_idx = torch.where(better, val, best_val), torch.where(better, idx, best_idx)
-    return logits_vd, best_idx
+            lse = torch.logaddexp(lse, chunk_lse) if with_top_p else None
+    return logits_vd, best_idx, (best_val.float() - lse).exp() if with_top_p else None
 
 
 def scored_slots(loss_mask: torch.Tensor, i: int) -> torch.Tensor:
@@ -65,14 +71,17 @@ class SoftCrossEntropy:
     """
 
     def __init__(self, draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, decay: float,
-                 chunk_rows: int | None = None, recompute: bool = True):
+                 chunk_rows: int | None = None, recompute: bool = True, target_top_p: torch.Tensor | None = None):
         """recompute: each chunk's logits are recomputed in backward, not kept (a GPU's memory binds; on a
-        CPU, where the TTT steps keep their tensors too, keeping them saves the head's second pass)."""
+        CPU, where the TTT steps keep their tensors too, keeping them saves the head's second pass).
+        target_top_p [B, T]: the target's probability of its argmax, kept for validation's split of the hits
+        (acceptance.hits_by_certainty); the loss does not use it."""
         self.draft, self.decay, self.recompute = draft, decay, recompute
         B, T, Vd = target_vd.shape
         self.T, self.Vd = T, Vd
         self.target_vd = target_vd.reshape(B * T, Vd)
         self.target_top = target_top.reshape(B * T)
+        self.target_top_p = target_top_p
         self.loss_mask, self.vocab_ids, self.in_vocab = loss_mask.bool(), vocab_ids, in_vocab
         self.chunk_rows = chunk_rows or ce_chunk_rows(Vd)
         self.hit_maps, self.valid_maps = {}, {}  # step i -> [B, T] bool per slot (acceptance.py's chains)

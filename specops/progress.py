@@ -91,7 +91,8 @@ _FIGURES = {
 }
 _COUNTS = [("done", "total", "{} rows"), ("step", "steps", "step {}"), ("shards_done", "shards", "{} shards")]
 _QUIET = {"req_s", "in_flight", "empty", "epoch", "tokens_done", "draft", "acc_1", "acc_2", "acc_3", "val_acc_0",
-          "val_acc_1", "val_acc_2", "val_acc_3", "measured_per_position", "measured_delivered", "draft_step"}
+          "val_acc_1", "val_acc_2", "val_acc_3", "val_acc_0_sure", "val_acc_0_unsure", "val_sure_share",
+          "measured_per_position", "measured_delivered", "draft_step"}
 
 
 def describe(progress) -> tuple[str, float | None]:

@@ -94,3 +94,11 @@ def test_past_the_stop_the_last_draft_is_scored_against_what_the_target_says_the
     missed = {i: valid[i].clone() for i in range(k)}
     missed[2][0, 5] = False  # its third token, the target's second past the stop, guessed wrong
     assert chains(missed) == (7.0, 2.0)  # where counting past the stop as accepted would say 8
+
+
+def test_hits_are_split_by_how_sure_the_target_is_of_the_token_guessed():
+    """Slot t's first draft guesses the target's argmax at t+1: its certainty is read there, not at t."""
+    hits = torch.tensor([[True, False, True, False, True]])
+    scored = torch.tensor([[True, True, True, True, False]])
+    top_p = torch.tensor([[0.2, 0.95, 0.5, 0.9, 0.99]])  # sure at positions 1, 3, 4: slots 0, 2, 3
+    assert acceptance.hits_by_certainty(hits, scored, top_p) == (2.0, 3.0, 0.0, 1.0)

@@ -70,8 +70,10 @@ def test_memory_lean_step_has_the_plain_steps_loss_and_gradients(checkpoint, ski
     ref_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
     draft.zero_grad(set_to_none=True)
 
-    target_vd, target_top = target_distribution(normed, head, head[vocab_ids], vocab_chunk=37)
+    target_vd, target_top, top_p = target_distribution(normed, head, head[vocab_ids], vocab_chunk=37, with_top_p=True)
     assert torch.equal(target_top, (normed @ head.T).argmax(-1))
+    torch.testing.assert_close(top_p, (normed @ head.T).softmax(-1).max(-1).values)
+    assert 0.1 < (top_p >= 0.9).float().mean() < 0.9  # both sides of acceptance.SURE
     objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8, chunk_rows=7,
                                  recompute=checkpoint)
     used = objective.used_slots(k) if skip_unused else None

@@ -52,6 +52,8 @@ all:
         r"predicted AL ([\d.]+) on held-out rows, measured in vLLM ([\d.]+), after ([\d.]+) s of training steps",
         summary).groups())
     assert predicted > 1.5 and measured > 2.0, summary
+    assert re.search(r"first-token accuracy [\d.]+ where the target is sure of the token \(\d+% of them\), "
+                     r"[\d.]+ where it is not", summary), summary
     stage_s = float(re.search(r"^train\s+([\d.]+)\s", summary, re.MULTILINE).group(1))
     assert 0 < train_s < stage_s, summary
     assert (dest / "demo-eval" / "localhost" / "report.json").is_file()

@@ -183,6 +183,16 @@ def test_the_held_out_prediction_is_within_0_1_of_what_vllm_measures(trained_run
     assert abs(last["val_sim_al"] - last["measured_al"]) <= 0.1, last
 
 
+def test_held_out_hits_are_split_by_how_sure_the_target_is(trained_run):
+    """The split covers exactly the first-position accuracy's tokens, and a trained draft misses mostly where
+    the target itself hesitates (acceptance.hits_by_certainty)."""
+    (last,) = [json.loads(line) for line in (trained_run / "evals.jsonl").read_text().splitlines()]
+    sure, unsure, share = last["val_acc_0_sure"], last["val_acc_0_unsure"], last["val_sure_share"]
+    assert 0.2 < share < 1.0, last
+    assert abs(sure * share + unsure * (1 - share) - last["val_acc_0"]) < 1e-3, last
+    assert sure > unsure + 0.1, last
+
+
 def test_runs_that_differ_in_seed_are_measured_on_the_same_held_out_rows(tiny_model, generated_data, trained_run,
                                                                         tmp_path):
     """--seed changes the draft's start and the data order, not the held-out rows (--split-seed picks those):
