@@ -105,9 +105,9 @@ def hits_by_certainty(hits: torch.Tensor, scored: torch.Tensor, target_top_p: to
 
     hits, scored [B, T] bool: step 0's hits and scored slots (slot t guesses the target's argmax at t+1);
     target_top_p [B, T]: the target's probability of its argmax at each position. A draft that misses
-    where the target is sure has something left to learn; where the target hesitates between tokens, its
-    argmax turns on details of its own next layers, and a one-layer draft's misses there are mostly the
-    target's coin flips (a demo draft: 1.000 where sure, 84% of its tokens; 0.856 where not).
+    where the target is sure is missing the easy part; where the target hesitates between tokens, its
+    argmax turns on details of its own next layers, which the draft learns last (a demo draft: 1.000 where
+    sure, 84% of its tokens, and 0.856 where not after 1500 steps, 0.886 after 4500).
     """
     sure = torch.zeros_like(scored)
     sure[:, :-1] = target_top_p[:, 1:] >= SURE
