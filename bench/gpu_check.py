@@ -79,7 +79,7 @@ def real_step(args):
     for _ in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        target_vd, target_top = target_distribution(last, head, head_vd)
+        target_vd, target_top, _ = target_distribution(last, head, head_vd)
         objective = SoftCrossEntropy(draft, target_vd, target_top, mask, vocab_ids, in_vocab, 0.8)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             per_step = model(ids, aux, k, objective, used=objective.used_slots(k))

@@ -67,7 +67,7 @@ def one_step(shape: dict, tokens: int, ttt: int, impl: str) -> None:
     else:
         # chunks in the real shape's regime (16k tokens: many loss chunks, 10 vocab chunks), so that they
         # cost bytes per step, not per token, as at scale
-        target_vd, target_top = target_distribution(last, head, head[vocab_ids], vocab_chunk=V // 10)
+        target_vd, target_top, _ = target_distribution(last, head, head[vocab_ids], vocab_chunk=V // 10)
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, 0.8,
                                      chunk_rows=CHUNK_ROWS, recompute=impl == "after")  # as train.py: CPU keeps
         loss = sum(r[0] for r in draft(input_ids, aux, ttt, objective, checkpoint=impl == "after"))
