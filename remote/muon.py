@@ -4,7 +4,7 @@ checkpointed state.
 Muon (Keller Jordan, 2024) keeps SGD momentum per weight matrix and steps along that momentum made
 orthogonal: every singular direction of the update moves by about the same amount, where Adam's step is
 dominated by a few. A short run learns more per token that way: on the demo's tiny target, the same steps
-at the same cost measure more acceptance in vLLM (specops/demo.py keeps the numbers). Muon suits the
+at the same cost measure more acceptance in vLLM (docs/tiny-draft-recipe.md keeps the numbers). Muon suits the
 hidden matrices only (fc, attention, MLP): the norms' scales are vectors and the head starts as the
 target's own, so those stay with AdamW (train.py --lr).
 

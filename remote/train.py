@@ -566,7 +566,7 @@ def main(argv=None):
     config = DraftConfig.from_target(target.config, len(vocab_ids), target.aux_layer_ids, heads=args.draft_heads,
                                      kv_heads=args.draft_kv_heads, intermediate=args.draft_intermediate)
     draft = Eagle3Draft(config, target.embeddings().to(device, dtype), vocab_ids).to(device)  # frozen: dtype
-    # A demo step 17% faster, measured alternating with fp32 step by step (specops/demo.py has the figures)
+    # A demo step 17% faster, measured alternating with fp32 step by step (docs/tiny-draft-recipe.md)
     draft.midlayer.mlp.bf16_matmuls = args.dtype == "auto" and not use_cuda and cpu_multiplies_bf16()
     vocab_ids = vocab_ids.to(device)
     in_vocab = torch.zeros(V, dtype=torch.bool, device=device)

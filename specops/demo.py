@@ -22,61 +22,15 @@ from .inventory import Host
 
 TINY_MODEL_BUILD_TIMEOUT = 1800
 TINY_PROMPTS = 24000  # rows of the tiny domain the demo can generate from (examples/ ships the first 300)
-# A draft for the tiny target learns in minutes on 2 cores with a high lr and small batches, from thousands of rows seen
-# a few times: 1500-1900 steps of 2048 tokens are 1.6-2 passes over 24000 rows (no TTT recompute on a CPU; the target's
-# states are kept after the first pass, train.py; the MLP multiplies in bf16 where the CPU does so natively, 17% a
-# step). Rows are the lever: the draft's misses left are mostly letters where the target itself errs
-# ("g r a g e -> G R A N G E"), and to guess those it must redo the target's next step on words it never saw. Measured
-# in vLLM on 400 held-out rows, seeds 0/1 (predicted in brackets): two fresh 8000-row draws, fp32, 1800 steps:
-# 3.851/3.854 and 3.820/3.819; 16000 rows (the second draw plus 8000 more): 3.860/3.853, and 3.854/3.842 in 1650
-# bf16-MLP steps (279.5 s of steps; fp32 1800: 363/350 s); 24000 rows, 1650 bf16-MLP steps: 3.857/3.872 (3.868/3.881),
-# 303.6/283.9 s of steps, and on a fresh demo's draw 3.848/3.866 (3.859/3.872), 303.0/255.7 s, and another's 3.836/3.867
-# (3.844/3.878), 274.2/248.7 s: 3.858 on average, 4 of 6 at least 3.85, and 249-304 s of steps with the machine's load.
-# 40000 rows measured 3.861 (318 s), and an EMA of the weights over the cosine's second half 3.8567 against 3.8566 (seed
-# 0). The bracketed predictions counted each answer's last draft as accepted past the stop; scored against what the
-# target says there (held_out.py) the prediction equals vLLM's figure to 4 digits (3.8566, 3.8724, 3.8529, ...); a fresh
-# demo's draw then gave 3.856/3.8568 in 265.2 s. 1500 steps measure the same in 10% less time, so the recipe stops
-# there: the three draws, seeds 0/1, 3.8607/3.8615, 3.8500/3.8602, 3.8440/3.8665 (3.857 on average against 1650's 3.858;
-# 5 of 6 at least 3.85), predicted within 0.0008 of each, in 237-276 s of steps; a fresh demo 3.8585/3.8585 in 274.8 s.
-# 40000 rows in 1500 steps measured 3.8552/3.8633 in 288/278 s (every step still in the first pass). 8 heads of 32
-# measured +0.010 but cost 25% a step (in 1320 steps, equal time: 3.8453/3.8636 against 3.8566/3.8724); two draft layers
-# predicted +0.007 for 1.66x the time. Generation pays for rows: 8000 take about 3 minutes. 200 rows seen 27 times reach
-# 0.98 accuracy on what they trained on but 0.86 on held-out rows (AL 3.13). A reduced draft vocabulary (256 of 512)
-# exercises the d2t mapping real drafts use. The demo measures greedy acceptance, which takes the target's argmax:
-# labels sharpened to temperature 0.2 gain 0.07-0.11 there (0.05 and 0.5 less). The draft's MLP is 1024 wide, 4x the
-# target's (prompt slots skip it): MLP 768 measured 0.007-0.011 lower (8000 rows). Step times swing 10-20% with the
-# machine's hour; costs are compared by alternating the two versions step by step in one run. Runs swing by 0.01 with
-# the seed and the step count, and by 0.03 with the data's draw (8000 rows). Muon for the hidden matrices
-# (remote/muon.py, lr 0.02) beat AdamW at lr 1e-2 by 0.025-0.048; Muon at lr 0.01 measured the same, at 0.04 0.007
-# lower. Under AdamW nothing else moved it past the seeds' spread: 4 kv heads, --ttt-decay 1.0 or 0.6, lr 5e-3 or 2e-2,
-# 1024- or 4096-token batches, --dtype bf16, the target's greedy answers as data (+0.014/-0.008), weight decay 0.1,
-# state noise, grad clip 1.0, Adam beta2 0.95; a second draft layer measured 0.03 lower. bf16 for the whole step and
-# torch.compile make no step faster net; nor does stacking Muon's Newton-Schulz by shape. Under Muon a constant lr with
-# a linear cooldown (-0.006), weight decay 0.03/0.1 (+0.000/+0.004), EAGLE-3.1's per-layer fc_norm (-0.002), a trainable
-# embedding table (-0.003), 4096-token batches for half the steps (-0.017), and --ttt-steps 2 for 2700 steps (3.40 at
-# K=3: the third draft step needs training) did not lift it (seed 0). fc_norm with norm_output predicted 3.850 but
-# measured 3.805 (vLLM's draft steps 2-3 accept 0.96 where the plain draft's accept 0.97; not diagnosed). Twice the
-# steps lift it a little (3600 Muon steps, MLP 768: +0.011), rows more for the same steps.
+# The tiny draft's recipe: Muon for the hidden matrices, labels sharpened for greedy acceptance, an MLP 4x the
+# target's, 2048-token batches from 24000 rows seen once or twice. docs/tiny-draft-recipe.md keeps what was
+# measured to choose each flag, and what did not pay. On 2 cores compute binds (every first-token miss left is on
+# a token the target itself is unsure of, and more steps still remove them), so the steps fill the 5-minute budget.
 TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05",
                      "--draft-vocab", "256", "--max-len", "512", "--label-temperature", "0.2",
                      "--draft-intermediate", "1024", "--optimizer", "muon"]
-# The issue's budget is 5 CPU minutes of training: 1500 steps take 237-276 s where the CPU multiplies bf16 (above),
-# but 407 s on one that does not (an Ice Lake Xeon, fp32: 3.8432). The steps stop at this many seconds, and the
-# schedule with them (train.py --time-budget): there 285 s gave 1211 and 997 steps, 3.8402 and 3.8467 (seed 1:
-# 3.8419). Which rows are held out moves the figure more than the seed or the steps: the same draw and seed
-# measured 3.7844 on --split-seed 1's 400 rows. The demo's rows are always split 0's. MLP 768 in the same 285 s:
-# 1263 steps, 3.8462 (seed 0; only 4% more steps on this CPU). On an AMD EPYC (Zen 4, bf16) a fresh demo's 1500
-# steps took 271.6 s and measured 3.8561 (seed 1: 3.8482; split 1 and 2: 3.8625, 3.8536). 1200 held-out rows
-# measured 3.8291/3.8301 (seeds 0/1), but they drop 3835 rows from training, not 1478 (every row sharing a held-out
-# prompt goes too): that draft measured 3.8379 on split 0's 400 rows, 0.018 below the demo's own, and 3.8247 on the
-# other 800. Seed 0 again in 217.4 s of steps (a quicker hour: its schedule ran on steps alone, the demo's partly on
-# the clock): 3.8429. The recipe sits at 3.85 within about 0.02 either way. Every first-token miss of that draft is
-# on a token its target gives less than 0.9 (16% of them, where it hits 0.856; val_acc_0_sure/_unsure). Those are
-# learnable, with time: 4500 steps (684 s of steps, seed 0) hit 0.886 there and measured 3.8751. So the demo now
-# trains for the whole budget: in that quicker hour 285 s gave 1900 and 1734 steps, 3.8610 and 3.8583 (seeds 0/1),
-# against 3.8429 and 3.8482 in 1500.
 TRAIN_STEPS = 3000  # a cap that no 2-core machine seen reaches in TRAIN_BUDGET_S: the budget ends the steps
-TRAIN_BUDGET_S = 285
+TRAIN_BUDGET_S = 285  # seconds of steps (train.py --time-budget ends the cosine with them): 5 minutes, less start-up
 HELD_OUT_ROWS = 400  # held out of training: train predicts and measures on them, eval measures them again
 
 
