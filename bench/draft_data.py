@@ -1,62 +1,79 @@
 #!/usr/bin/env python3
 """Which data makes the better draft: the target's own regenerated answers, or the dataset's?
 
-    python bench/draft_data.py --target MODEL_DIR --regenerated GEN_DIR --original PROMPTS.jsonl \
-        --heldout HELDOUT.jsonl [--out DIR] [-- extra train.py args]
+    .venv/bin/python bench/draft_data.py --target MODEL_DIR --regenerated DATA.jsonl --original PROMPTS.jsonl \
+        [--seed S] [--out DIR] [-- more train.py args]
 
-Trains two drafts with the same budget (same train.py arguments, steps and seed): one on
-generate's data.jsonl (the model's reasoning and answers), the baseline on the prompt file's
-own "gpt" answers; then measures each one's acceptance length in a real vLLM (remote/eval.py,
-greedy, held-out prompts) and prints both with their ratio.
+Trains two drafts with the demo's recipe and budget (specops/demo.py: the same train.py arguments,
+seconds of steps and seed): one on generate's data.jsonl (the model's reasoning and answers), the
+baseline on the prompt file's own answers. Both files are first cut to the rows they share, in the
+prompt file's order, so both runs hold out the same prompts. Each draft is then measured in a real
+vLLM on those prompts, against what the target itself answers there (train.py --eval-vllm, greedy,
+the local inventory host's server flags), and the two are printed with their ratio.
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REMOTE = Path(__file__).resolve().parent.parent / "remote"
-RECIPE = ["--steps", "300", "--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3", "--warmup", "0.05"]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from specops import inventory  # noqa: E402
+from specops.demo import HELD_OUT_ROWS, TINY_DRAFT_RECIPE, TRAIN_BUDGET_S, TRAIN_STEPS  # noqa: E402
+from specops.jobs import eval_server_args  # noqa: E402
 
 
-def run(script, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    result = subprocess.run([sys.executable, str(REMOTE / script), *map(str, args)], env=env,
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"{script} failed ({result.returncode}):\n{result.stderr[-2000:]}")
-    return result
+def shared_rows(original: Path, regenerated: Path, out: Path) -> int:
+    """Both files cut to the ids they share, in the original's order; returns how many rows."""
+    by_id = {json.loads(line)["id"]: line for line in regenerated.open() if line.strip()}
+    kept_original, kept_regenerated = [], []
+    for line in original.open():
+        if line.strip() and (row_id := json.loads(line)["id"]) in by_id:
+            kept_original.append(line)
+            kept_regenerated.append(by_id[row_id])
+    (out / "original.jsonl").write_text("".join(kept_original))
+    (out / "regenerated.jsonl").write_text("".join(kept_regenerated))
+    return len(kept_original)
 
 
-def train_and_eval(name, data, args, out):
-    run("train.py", "--target", args.target, "--data", data, "--out", out / name, *RECIPE, *args.extra)
-    last = json.loads((out / name / "metrics.jsonl").read_text().splitlines()[-1])
-    run("eval.py", "--target", args.target, "--draft", out / name / "draft", "--prompts", args.heldout,
-        "--n", args.n, "--temperature", "0", "--no-baseline", "--max-model-len", "512", "--json", out / f"{name}.json")
-    report = json.loads((out / f"{name}.json").read_text())
-    return {"data": name, "train_loss": last["loss"], "train_sim_al": last["sim_al"],
-            "acceptance_length": report["acceptance_length"], "per_position": report["per_position"]}
+def train_and_measure(name: str, rows: int, args, out: Path) -> dict:
+    host = inventory.load(ROOT / "inventory.yaml").select("local")[0]
+    argv = [sys.executable, str(ROOT / "remote" / "train.py"), "--target", args.target,
+            "--data", str(out / f"{name}.jsonl"), "--out", str(out / name), *TINY_DRAFT_RECIPE,
+            "--steps", str(TRAIN_STEPS), "--time-budget", str(TRAIN_BUDGET_S),
+            "--val-fraction", str(HELD_OUT_ROWS / rows), "--eval-n", str(HELD_OUT_ROWS), "--seed", str(args.seed),
+            "--eval-vllm", *[f"--eval-arg={a}" for a in eval_server_args(host)], "--no-tensorboard", *args.extra]
+    with open(out / f"{name}.log", "w") as log:
+        if subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"train.py on the {name} data failed: see {out / f'{name}.log'}")
+    evals = [json.loads(line) for line in (out / name / "evals.jsonl").read_text().splitlines()]
+    best = [e for e in evals if e.get("kept")][-1]
+    return {"data": name, "step": best["step"], "train_s": best["train_s"], "predicted_al": best["val_sim_al"],
+            "measured_al": best["measured_al"]}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--regenerated", required=True, help="generate's output directory (data.jsonl)")
-    ap.add_argument("--original", required=True, help="the prompt file with the dataset's own answers")
-    ap.add_argument("--heldout", required=True, help="prompts neither draft trained on")
-    ap.add_argument("--n", type=int, default=40, help="held-out prompts to evaluate on")
+    ap.add_argument("--target", required=True, help="the model directory that generated --regenerated")
+    ap.add_argument("--regenerated", required=True, type=Path, help="generate's data.jsonl")
+    ap.add_argument("--original", required=True, type=Path, help="the prompt file with the dataset's own answers")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
     ap.add_argument("extra", nargs="*", help="more train.py arguments (after --)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="draft-data-"))
-    rows = [train_and_eval("original", args.original, args, out), train_and_eval("regenerated", args.regenerated, args, out)]
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    print(f"acceptance length regenerated / original: "
-          f"{rows[1]['acceptance_length'] / rows[0]['acceptance_length']:.3f} "
-          f"({rows[1]['acceptance_length']} vs {rows[0]['acceptance_length']}); runs in {out}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = shared_rows(args.original, args.regenerated, out)
+    if rows <= HELD_OUT_ROWS:
+        sys.exit(f"only {rows} rows are in both files: need more than the {HELD_OUT_ROWS} held out")
+    results = [train_and_measure(name, rows, args, out) for name in ("original", "regenerated")]
+    for result in results:
+        print(json.dumps(result), flush=True)
+    original, regenerated = (r["measured_al"] for r in results)
+    print(f"acceptance length measured in vLLM, regenerated / original: {regenerated / original:.3f} "
+          f"({regenerated} vs {original}; {rows} rows, {HELD_OUT_ROWS} held out; runs in {out})", flush=True)
 
 
 if __name__ == "__main__":
