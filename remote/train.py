@@ -700,7 +700,7 @@ def main(argv=None):
         seconds of training steps that made it; the best so far is exported as OUT/draft (scored by the
         measurement when there is one, else val_sim_al)."""
         nonlocal best
-        figures = {**validate(), "train_s": round(train_s, 1)}
+        figures = {**validate(), "train_s": round(train_s, 2)}  # as the metrics row it joins
         candidate = os.path.join(args.out, "draft.candidate")
         if writer:
             export_draft(candidate, step, figures)
