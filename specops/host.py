@@ -25,7 +25,9 @@ Safety rules enforced here, so callers cannot forget them:
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import io
 import os
 import select
@@ -94,7 +96,8 @@ class Session:
         if self.host.is_local:
             self._local = invoke.Context(invoke.Config(overrides={"run": {"in_stream": False}}))
             return self
-        self._conn = _fabric_connection(self.host)
+        self._host_key_policy = _RejectUnknownKey()
+        self._conn = _fabric_connection(self.host, self._host_key_policy)
         try:
             self._conn.open()
         except Exception as e:  # paramiko raises many types; each maps to one clear line
@@ -118,9 +121,13 @@ class Session:
                 f"then add the new key after checking its fingerprint"
             )
         if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in str(e):
+            offered = self._host_key_policy.offered
+            seen = f" It offered {offered}." if offered else ""
+            folder = os.path.dirname(add_to) or "."
             return (
-                f"{h.name}: host key for {where} is unknown (not in {files}); refusing to connect. "
-                f"Check the fingerprint out of band, then: ssh-keyscan -p {h.ansible_port} {h.address} >> {add_to}"
+                f"{h.name}: host key for {where} is unknown (not in {files}); refusing to connect.{seen} "
+                f"Check that fingerprint out of band (on the host: ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub), "
+                f"then: mkdir -p -m 700 {folder} && ssh-keyscan -p {h.ansible_port} {h.address} >> {add_to}"
             )
         if isinstance(e, paramiko.AuthenticationException):
             key = h.ansible_ssh_private_key_file or "your ssh keys/agent"
@@ -383,7 +390,7 @@ def known_hosts_files(host: Host) -> list[str]:
     return files or ["~/.ssh/known_hosts"]
 
 
-def _fabric_connection(host: Host) -> fabric.Connection:
+def _fabric_connection(host: Host, host_key_policy: paramiko.MissingHostKeyPolicy) -> fabric.Connection:
     overrides = {"run": {"in_stream": False}}
     path = ssh_config_path()
     config = (fabric.Config(runtime_ssh_path=path, overrides=overrides) if path
@@ -399,8 +406,20 @@ def _fabric_connection(host: Host) -> fabric.Connection:
     for path in known_hosts_files(host):
         if os.path.exists(path):
             conn.client.load_host_keys(path)
-    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    conn.client.set_missing_host_key_policy(host_key_policy)
     return conn
+
+
+class _RejectUnknownKey(paramiko.RejectPolicy):
+    """paramiko's RejectPolicy that keeps the refused key's fingerprint, so the error can show the
+    user what to compare out of band (the form ``ssh-keygen -l`` prints)."""
+
+    offered: str | None = None
+
+    def missing_host_key(self, client, hostname, key):
+        digest = base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+        self.offered = f"{key.get_name()} key SHA256:{digest}"
+        super().missing_host_key(client, hostname, key)
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -32,14 +33,24 @@ def test_connect_and_run_as_root_and_ml(tmp_path, ssh_host, ml_host):
     assert [r["ok"] for r in rows] == [True, True] and all(r["tmux"] and r["rsync"] for r in rows)
 
 
-def test_unknown_host_key_is_refused(tmp_path, ssh_host):
-    empty = tmp_path / "empty_known_hosts"
-    empty.write_text("")
-    path, _ = _hosts(tmp_path, [ssh_host], known_hosts=str(empty))
+def test_unknown_host_key_is_refused_with_its_fingerprint_and_a_fix_that_works(tmp_path, ssh_host):
+    """The line shows the key's fingerprint as `ssh-keygen -l` prints it (to compare out of band), and
+    its suggested command works where the known_hosts file's folder does not exist yet."""
+    missing = tmp_path / "fresh-home" / ".ssh" / "known_hosts"
+    path, _ = _hosts(tmp_path, [ssh_host], known_hosts=str(missing))
     proc = inv("hosts", "--on", "test", inventory=path)
     assert proc.returncode != 0
-    assert "host key for [127.0.0.1]:" in proc.stdout and "is unknown" in proc.stdout
-    assert "ssh-keyscan -p" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "host key for [127.0.0.1]:" in line and "is unknown" in line and "Traceback" not in proc.stdout + proc.stderr
+    pub = tmp_path / "host_key.pub"
+    pub.write_text(ssh_host.host_key_line.split(" ", 1)[1] + "\n")
+    fingerprint = subprocess.run(["ssh-keygen", "-lf", str(pub)], capture_output=True, text=True,
+                                 check=True).stdout.split()[1]
+    assert f"ssh-ed25519 key {fingerprint}" in line
+    fix = line.split("then: ", 1)[1]
+    subprocess.run(["bash", "-c", fix], check=True, capture_output=True)
+    assert oct(missing.parent.stat().st_mode & 0o777) == "0o700"
+    assert inv("hosts", "--on", "test", inventory=path).returncode == 0
 
 
 def test_changed_host_key_is_refused(tmp_path, ssh_host):
