@@ -5,7 +5,7 @@ import specops.deps
 import specops.pull
 import specops.serve
 import specops.tunnel
-from specops import demo as demo_mod, facts, fanout, jobs, reports, runs, watch
+from specops import demo as demo_mod, facts, fanout, group, inventory as inventory_mod, jobs, reports, runs, watch
 from specops.cli import HOST_HELP, remainder, select_hosts, task
 
 
@@ -36,20 +36,20 @@ RUN_HELP = "run id (as printed at launch; `inv status` lists them)"
 
 @task(help={**HOST_HELP, "run": RUN_HELP + "; default: the newest runs and all live ones",
             "last": "how many of the newest runs to list per host", "json": "print JSON instead of tables"})
-def status(c, run=None, on=None, inventory=None, last=10, json=False):
+def status(c, run=None, on=None, inventory=None, last: int = 10, json=False):
     """Per host: vLLM service, GPU use, and each run's state, age and latest progress line."""
     return watch.status(select_hosts(c, inventory, on), run, last=last, as_json=json)
 
 
 @task(help={**HOST_HELP, "run": RUN_HELP, "lines": "how many last lines to show first",
             "follow": "keep printing until the run ends (Ctrl-C stops following, never the run)"})
-def logs(c, run, on=None, inventory=None, follow=False, lines=50):
+def logs(c, run, on=None, inventory=None, follow=False, lines: int = 50):
     """A run's log from every selected host that has it (lines prefixed by host when several)."""
     return watch.logs(select_hosts(c, inventory, on), run, lines=lines, follow=follow)
 
 
 @task(help={**HOST_HELP, "run": RUN_HELP, "grace": "seconds after SIGINT before SIGTERM (and after SIGTERM)"})
-def stop(c, run, on=None, inventory=None, grace=30):
+def stop(c, run, on=None, inventory=None, grace: float = 30):
     """Stop a run: SIGINT to its process group, SIGTERM after a grace period; exit code recorded, outputs kept."""
     return runs.stop_on(select_hosts(c, inventory, on), run, grace=grace)
 
@@ -78,8 +78,8 @@ def report(c, run, on=None, inventory=None, dest="artifacts"):
             "lines": "with --logs: how many last lines", "json": "print JSON instead of a table",
             "extract": "extraction mode: vLLM also writes the trainer's aux + last layer states (for `inv extract`)",
             "layers": "with --extract: aux layer ids a,b,c in vLLM's convention (default: the trainer's)"})
-def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, supervisor=None, stop=False,
-          status=False, logs=False, follow=False, lines=100, json=False, extract=False, layers=None):
+def serve(c, on=None, inventory=None, wait=False, timeout: float = 3600, restart=False, supervisor=None, stop=False,
+          status=False, logs=False, follow=False, lines: int = 100, json=False, extract=False, layers=None):
     """Run vLLM as a supervised service (systemd, or tmux where there is none); idempotent."""
     return specops.serve.on_hosts(select_hosts(c, inventory, on), wait=wait, timeout=timeout, restart=restart,
                                  supervisor=supervisor, stop_service=stop, show_status=status, show_logs=logs,
@@ -89,10 +89,9 @@ def serve(c, on=None, inventory=None, wait=False, timeout=3600, restart=False, s
 @task(help={"on": "the host whose vLLM to reach", "inventory": HOST_HELP["inventory"],
             "local_port": "local port to listen on (default: the same as the remote port)",
             "remote_port": "the host's loopback port to reach (default: its vLLM's; e.g. 6006 for a TensorBoard)"})
-def tunnel(c, on=None, inventory=None, local_port=0, remote_port=0):
+def tunnel(c, on=None, inventory=None, local_port: int = None, remote_port: int = None):
     """Forward a local port to a host's 127.0.0.1 vLLM port over SSH and print the base URL; Ctrl-C closes."""
-    return specops.tunnel.forward(select_hosts(c, inventory, on), local_port=int(local_port) or None,
-                                  remote_port=int(remote_port) or None)
+    return specops.tunnel.forward(select_hosts(c, inventory, on), local_port=local_port, remote_port=remote_port)
 
 
 RUN_NAME_HELP = {"name": "run id to use (default: <kind>-<UTC yyyymmdd-hhmmss>)",
@@ -104,7 +103,7 @@ RUN_NAME_HELP = {"name": "run id to use (default: <kind>-<UTC yyyymmdd-hhmmss>)"
             "n": "rows to take from the dataset, counted before sharding (default 0: all of it)",
             "dataset": "hub name, host path, or a shipped file like examples/prompts.jsonl "
                        "(default: mlabonne/open-perfectblend)"})
-def generate(c, n=0, on=None, inventory=None, dataset=None, name=None, resume=False, follow=False):
+def generate(c, n: int = 0, on=None, inventory=None, dataset=None, name=None, resume=False, follow=False):
     """Record the served model's own reasoning + answers for dataset prompts (a detached, sharded run).
 
     Extra flags for remote/generate.py go after `--`, e.g. `inv generate -n 100 -- --max-tokens 2048`.
@@ -125,18 +124,19 @@ def generate(c, n=0, on=None, inventory=None, dataset=None, name=None, resume=Fa
             "stream": "with --states: consume shards while the extraction writes them, deleting each after use",
             "rendezvous_timeout": "group: seconds a node tries to reach the master before failing",
             "dest": "group: local directory where the --data runs are pulled and merged before shipping"})
-def train(c, data=None, on=None, inventory=None, steps=None, epochs=None, gpus=0, name=None, resume=False,
-          follow=False, states=None, stream=False, rendezvous_timeout=60, dest="artifacts", plan=False, eval_every=0):
+def train(c, data=None, on=None, inventory=None, steps: int = None, epochs: float = None, gpus: int = 0, name=None,
+          resume=False, follow=False, states=None, stream=False, rendezvous_timeout: float = group.RENDEZVOUS_TIMEOUT,
+          dest="artifacts", plan=False, eval_every: int = 0):
     """Train an EAGLE-3 draft for the host's model (a detached run; exports <run>/draft for vLLM).
 
     Extra flags for remote/train.py go after `--`, e.g. `-- --draft-vocab 32000 --lr 1e-4`.
     """
     hosts = select_hosts(c, inventory, on)
     if plan:
-        return jobs.train_plan(hosts, gpus=int(gpus), states=states, extra=remainder())
-    return jobs.train(hosts, data=data, steps=steps, epochs=epochs, gpus=int(gpus), name=name, resume=resume,
+        return jobs.train_plan(hosts, gpus=gpus, states=states, extra=remainder())
+    return jobs.train(hosts, data=data, steps=steps, epochs=epochs, gpus=gpus, name=name, resume=resume,
                       follow=follow, extra=remainder(), on=on, states=states, stream=stream,
-                      rendezvous_timeout=float(rendezvous_timeout), dest=dest, eval_every=int(eval_every))[1]
+                      rendezvous_timeout=rendezvous_timeout, dest=dest, eval_every=eval_every)[1]
 
 
 @task(iterable=["data"],
@@ -144,14 +144,14 @@ def train(c, data=None, on=None, inventory=None, steps=None, epochs=None, gpus=0
             "layers": "aux layer ids a,b,c in vLLM's convention (default: the trainer's); as for serve --extract",
             "scratch_gb": "disk budget for the shards in GB: refused up front if the states need more",
             "stream": "a `train --states RUN --stream` consumes the shards; pause while the budget is full"})
-def extract(c, data=None, on=None, inventory=None, layers=None, scratch_gb=None, stream=False, name=None,
+def extract(c, data=None, on=None, inventory=None, layers=None, scratch_gb: float = None, stream=False, name=None,
             resume=False, follow=False):
     """Target hidden states from the host's vLLM (`inv serve --extract`) packed into shards for `train --states`.
 
     Extra flags for remote/extract.py go after `--`, e.g. `-- --concurrency 32 --shard-mb 4096`.
     """
     hosts = select_hosts(c, inventory, on)
-    return jobs.extract(hosts, data=data, layers=layers, scratch_gb=float(scratch_gb) if scratch_gb else None,
+    return jobs.extract(hosts, data=data, layers=layers, scratch_gb=scratch_gb,
                         stream=stream, name=name, resume=resume, follow=follow, extra=remainder(), on=on)[1]
 
 
@@ -159,11 +159,11 @@ def extract(c, data=None, on=None, inventory=None, layers=None, scratch_gb=None,
                          "prompts": "held-out prompts file (default: the shipped examples/prompts.jsonl)",
                          "n": "prompts to send", "k": "num_speculative_tokens", "name": RUN_NAME_HELP["name"],
                          "dest": "local directory for the pulled report"})
-def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n=100, k=3, name=None,
+def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n: int = 100, k: int = 3, name=None,
           dest="artifacts"):
     """Measure the draft's acceptance length in real vLLM on the host's own model; pull the report."""
     hosts = select_hosts(c, inventory, on)
-    return jobs.evaluate(hosts, draft=draft, prompts=prompts, n=int(n), k=int(k), name=name, dest=dest,
+    return jobs.evaluate(hosts, draft=draft, prompts=prompts, n=n, k=k, name=name, dest=dest,
                          extra=remainder(), on=on)[1]
 
 
@@ -172,9 +172,10 @@ def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n
             "train_seconds": "seconds of training steps, at most (the schedule ends there on a slower CPU)",
             "eval_n": "rows held out of training, on which train and eval measure acceptance length",
             "fresh": "redo generate/train/eval even if finished runs exist", "dest": "where pulled artifacts go"})
-def demo(c, on=None, inventory=None, rows=demo_mod.TINY_PROMPTS, train_steps=demo_mod.TRAIN_STEPS,
-         train_seconds=demo_mod.TRAIN_BUDGET_S, eval_n=demo_mod.HELD_OUT_ROWS, fresh=False, dest="artifacts"):
+def demo(c, on=None, inventory=None, rows: int = demo_mod.TINY_PROMPTS, train_steps: int = demo_mod.TRAIN_STEPS,
+         train_seconds: float = demo_mod.TRAIN_BUDGET_S, eval_n: int = demo_mod.HELD_OUT_ROWS, fresh=False,
+         dest="artifacts"):
     """The whole pipeline on this machine, CPU only: deps, tiny model, serve, generate, train, eval, pull."""
-    (host,) = select_hosts(c, inventory, on)[:1]
+    (host,) = select_hosts(c, inventory, on or inventory_mod.DEFAULT_GROUP)[:1]
     return demo_mod.pipeline(host, rows=int(rows), train_steps=int(train_steps), train_seconds=float(train_seconds),
                              eval_n=int(eval_n), fresh=fresh, dest=dest)

@@ -169,14 +169,27 @@ class Inventory:
     groups: dict[str, list[str]]  # group -> host names, in file order
 
     def select(self, name: str | None) -> list[Host]:
-        """Hosts for ``--on NAME``: a host, or a group (in the group's order)."""
-        name = name or DEFAULT_GROUP
+        """Hosts for ``--on NAME``: a host, or a group (in the group's order); no name: :meth:`default_group`."""
+        name = name or self.default_group()
         if name in self.hosts:
             return [self.hosts[name]]
         if name in self.groups:
             return [self.hosts[h] for h in self.groups[name]]
         known = ", ".join(sorted(set(self.hosts) | set(self.groups))) or "none"
         raise InventoryError(f"{self.path}: --on {name!r} is neither a host nor a group (known: {known})")
+
+    def default_group(self) -> str:
+        """The group a command without ``--on`` acts on: the one group of hosts besides the embedded
+        ``local`` one where there is exactly one (the host a user just added), ``local`` where there is
+        none; with several, the user must say which (a guess could act on the wrong machines)."""
+        remote = [g for g, members in self.groups.items() if g not in ("all", DEFAULT_GROUP) and members
+                  and not any(set(members) < set(self.groups[o]) for o in self.groups if o not in ("all", g))]
+        if len(remote) == 1:
+            return remote[0]
+        if not remote:
+            return DEFAULT_GROUP
+        raise InventoryError(f"{self.path}: several groups of hosts ({', '.join(remote)}): pass --on GROUP "
+                             f"(or set specops.on in invoke.yaml)")
 
 
 def load(path: str | os.PathLike | None = None) -> Inventory:
@@ -185,6 +198,9 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        hint = " (./scripts/setup writes it from inventory.example.yaml)" if str(path) == DEFAULT_PATH else ""
+        raise InventoryError(f"{path}: cannot read the inventory (no such file){hint}; pass --inventory PATH") from None
     except OSError as e:
         raise InventoryError(f"{path}: cannot read the inventory ({e.strerror}); pass --inventory PATH") from None
     if len(raw) > MAX_BYTES:
@@ -212,11 +228,19 @@ def _yaml(path: Path, text: str):
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or "invalid YAML"
-        raise InventoryError(f"{path}: YAML syntax error{where}: {problem}") from None
+        ini = " (this looks like an INI inventory: specops reads only Ansible's YAML shape, see " \
+              "inventory.example.yaml; `ansible-inventory -i FILE -y --list` converts one)" if _looks_ini(text) else ""
+        raise InventoryError(f"{path}: YAML syntax error{where}: {problem}{ini}") from None
     except RecursionError:
         raise InventoryError(f"{path}: YAML nested too deeply to be an inventory") from None
     finally:
         loader.dispose()
+
+
+def _looks_ini(text: str) -> bool:
+    """An Ansible INI inventory opens with a ``[group]`` header (after comments)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", ";"))]
+    return bool(lines) and re.fullmatch(r"\[[^\]]+\]", lines[0]) is not None
 
 
 def _check_nodes(path: Path, root: yaml.Node) -> None:

@@ -20,10 +20,11 @@ def forward(hosts, *, local_port: int | None = None, remote_port: int | None = N
     if len(hosts) != 1:
         raise SpecopsError(f"inv tunnel takes one host, got {len(hosts)}: pass --on HOST", exit_code=2)
     host = hosts[0]
+    for flag, value in (("--local-port", local_port), ("--remote-port", remote_port)):
+        if value is not None and not 0 < value < 65536:
+            raise SpecopsError(f"{flag} {value} is not a port (1-65535)", exit_code=2)
     there = remote_port or host.port
     path = "/v1" if there == host.port else "/"  # vLLM's OpenAI base URL, or the other service's root
-    if not 0 < there < 65536:
-        raise SpecopsError(f"--remote-port {there} is not a port (1-65535)", exit_code=2)
     if host.is_local:
         print(f"{host.name} is this machine: http://127.0.0.1:{there}{path} (no tunnel needed)", file=out, flush=True)
         return 0

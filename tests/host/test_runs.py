@@ -122,7 +122,7 @@ def test_ctrl_c_stops_following_never_the_run(tmp_path, ssh_host):
     path, [host] = prepare(tmp_path, [ssh_host])
     run_id = start([host], "import time; print('started', flush=True); time.sleep(60)")
     env = {**os.environ, "SPECOPS_INVENTORY": str(path), "SPECOPS_SSH_CONFIG": "none", "PYTHONUNBUFFERED": "1"}
-    follow = subprocess.Popen([sys.executable, "-m", "invoke", "logs", run_id, "--on", "bed", "--follow"], cwd=REPO,
+    follow = subprocess.Popen([sys.executable, "-m", "specops", "logs", run_id, "--on", "bed", "--follow"], cwd=REPO,
                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:

@@ -194,7 +194,7 @@ def test_tmux_serve_lifecycle_and_logs_follow(tmp_path, ssh_host, api_key):
         restarted = inv("serve", "--on", ssh_host.name, "--restart", "--wait", inventory=path)
         assert "restarted (--restart)" in restarted.stdout and recorded_pid() != pid, outputs(restarted)
 
-        follow = subprocess.Popen([sys.executable, "-m", "invoke", "serve", "--on", ssh_host.name, "--logs", "--follow"],
+        follow = subprocess.Popen([sys.executable, "-m", "specops", "serve", "--on", ssh_host.name, "--logs", "--follow"],
                                   cwd=REPO, env={**os.environ, "SPECOPS_INVENTORY": str(path),
                                                  "SPECOPS_SSH_CONFIG": "none"},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -239,7 +239,7 @@ def test_tunnel_reaches_the_hosts_loopback_port(tmp_path, ssh_host):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     path = tmux_inventory(tmp_path, ssh_host, ssh_host.workdir, port=server.server_address[1])
     local = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "tunnel", "--on", ssh_host.name, "--local-port", str(local)],
+    proc = subprocess.Popen([sys.executable, "-m", "specops", "tunnel", "--on", ssh_host.name, "--local-port", str(local)],
                             cwd=REPO, env={**os.environ, "SPECOPS_INVENTORY": str(path), "SPECOPS_SSH_CONFIG": "none"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -267,7 +267,7 @@ def test_tunnel_reaches_a_tensorboard_on_the_host(tmp_path, ssh_host):
             writer.add_scalar("train/loss", loss, step)
     board_port, local = free_port(), free_port()
     path = tmux_inventory(tmp_path, ssh_host, ssh_host.workdir)
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "tunnel", "--on", ssh_host.name, "--local-port", str(local),
+    proc = subprocess.Popen([sys.executable, "-m", "specops", "tunnel", "--on", ssh_host.name, "--local-port", str(local),
                              "--remote-port", str(board_port)],
                             cwd=REPO, env={**os.environ, "SPECOPS_INVENTORY": str(path), "SPECOPS_SSH_CONFIG": "none"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -135,7 +135,7 @@ def run_in_pty(args, inventory, timeout=60) -> bytes:
     env = {**os.environ, "SPECOPS_INVENTORY": str(inventory), "SPECOPS_SSH_CONFIG": "none", "TERM": "xterm",
            "PYTHONUNBUFFERED": "1"}
     env.pop("NO_COLOR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "specops", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             stdout=slave, stderr=slave)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout

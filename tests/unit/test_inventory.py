@@ -41,7 +41,7 @@ def test_vars_merge_host_over_group_over_all(tmp_path):
 
 
 def test_shipped_inventory_is_valid():
-    inv = inventory.load(REPO / "inventory.yaml")
+    inv = inventory.load(REPO / "inventory.example.yaml")
     (local,) = inv.select(None)
     assert local.is_local and local.flavor == "cpu" and local.bind == "127.0.0.1"
 
@@ -97,7 +97,7 @@ MALFORMED = {
 
 def _inv(args, inventory_path):
     env = {**os.environ, "SPECOPS_INVENTORY": str(inventory_path)}
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "specops", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -129,7 +129,7 @@ def test_unknown_on_name_and_missing_file(tmp_path):
 
 
 def test_inv_hosts_local_prints_a_real_row():
-    proc = _inv(["hosts", "--on", "local", "--json"], REPO / "inventory.yaml")
+    proc = _inv(["hosts", "--on", "local", "--json"], REPO / "inventory.example.yaml")
     assert proc.returncode == 0, proc.stderr
     import json
 
@@ -184,7 +184,7 @@ def test_yaml_alias_bomb_fails_fast_with_a_short_line(tmp_path):
                     + "".join(f"            - {line.split(': ', 1)[1]}\n" for line in levels))
     started = time.monotonic()
     env = {**os.environ, "SPECOPS_INVENTORY": str(path)}
-    proc = subprocess.run([sys.executable, "-m", "invoke", "hosts"], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "specops", "hosts"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60, preexec_fn=_limited(3 << 30))
     elapsed = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr[-500:]

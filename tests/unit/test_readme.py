@@ -10,9 +10,9 @@ README = (REPO / "README.md").read_text()
 def _parsers() -> dict:
     """{task name: the flags Invoke's parser accepts for it}, read from tasks.py as `inv` loads it."""
     import tasks
-    from invoke import Collection
+    from specops.cli import Collection
 
-    return {ctx.name: {*ctx.flags, *ctx.inverse_flags} for ctx in Collection.from_module(tasks).to_contexts()}
+    return {ctx.name: set(ctx.flag_names()) for ctx in Collection.from_module(tasks).to_contexts()}
 
 
 def test_every_inv_command_in_readme_exists():
