@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import deploy, fanout, jobs, pull, runs, serve
+from . import deploy, fanout, jobs, pull, runs, serve, watch
 from .errors import SpecopsError
 from .host import Session, connect
 from .inventory import Host
@@ -118,8 +118,12 @@ def _tiny_model(session: Session, out) -> str:
     if session.run(["test", "-f", f"{model}/config.json"], check=False, timeout=30).ok:
         return f"reused {model}"
     print(f"building the tiny reasoning model into {model} (about 2 minutes on 2 cores)", file=out, flush=True)
-    session.run(jobs.script(session, "make_tiny_model.py") + [model], timeout=TINY_MODEL_BUILD_TIMEOUT,
-                hide=False)
+    drawn = watch.DrawnOutput(session.host.name, out)
+    try:
+        session.run(jobs.script(session, "make_tiny_model.py") + [model], timeout=TINY_MODEL_BUILD_TIMEOUT,
+                    hide=False, out_stream=drawn)
+    finally:
+        drawn.close()
     return f"built {model}"
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from . import deploy, fanout, group, pull, runs, serve, urls, watch
 from . import plan as plans
 from .errors import SpecopsError
-from .host import Session, connect
+from .host import Session, connect, quote
 from .service_spec import Layout
 
 TORCHRUN_PORT = 29517
@@ -167,7 +167,7 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
     Runs on the serving host: vLLM writes per-request files there, which the run packs and removes.
     """
     if not data:
-        raise SpecopsError("--data RUN (a generate run id) or a data.jsonl path is required", exit_code=2)
+        data = [newest_generate_run(hosts[0], "extracting states for", out)]
     if len(hosts) != 1:
         raise SpecopsError(f"extract runs on one serving host; --on selects {len(hosts)}", exit_code=2)
 
@@ -234,7 +234,7 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
     ``states``: an extract run (or a directory on the host) whose shards replace the online
     target; ``stream``: consume them while the extraction is still writing them."""
     if not data:
-        raise SpecopsError("--data RUN (a generate run id) or a data.jsonl path is required", exit_code=2)
+        data = [newest_generate_run(hosts[0], "training on", out)]
     if stream and not states:
         raise SpecopsError("--stream goes with --states EXTRACT_RUN", exit_code=2)
     grouped = len(hosts) > 1  # one sample list for every rank: the merged data, shipped to every node
@@ -256,6 +256,31 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
     return run_id, rc
+
+
+# The runs on a host that ended with exit code 0 and were launched as generate runs, as "finished-at name".
+_SUCCEEDED_GENERATE = """
+cd {runs} 2>/dev/null || exit 0
+for d in */; do d=${{d%/}}
+  [ "$(cat "$d/exit_code" 2>/dev/null)" = 0 ] && grep -qF '"kind": "generate"' "$d/meta.json" 2>/dev/null &&
+    printf '%s %s\\n' "$(stat -c %Y "$d/exit_code")" "$d"
+done
+"""
+
+
+def newest_generate_run(host, doing: str, out=None) -> str:
+    """The data of a bare `inv train` (or extract): the host's newest generate run that succeeded, said at launch."""
+    with connect(host) as session:
+        listed = session.sh(_SUCCEEDED_GENERATE.format(runs=quote(runs.runs_dir(session))), timeout=60).stdout
+    found = [line.split(" ", 1) for line in listed.splitlines() if " " in line]
+    found = [(int(t), rid) for t, rid in found if t.isdigit() and is_run_id(rid)]
+    if not found:
+        raise SpecopsError(f"{host.name}: no finished generate run to use: run `inv generate` first, or pass "
+                           f"--data RUN (a generate run id) or a data.jsonl path", exit_code=2)
+    newest = max(found)[1]
+    print(f"{doing} {newest}, the newest finished generate run on {host.name} (--data RUN picks another)",
+          file=out or sys.stdout, flush=True)
+    return newest
 
 
 def host_gpu_count(session: Session) -> int:

@@ -268,6 +268,27 @@ class _Printer:
                 self.board.set(host, described, fraction, changed=stage != parsed.get("stage"))
 
 
+class DrawnOutput:
+    """A command's output drawn for a person, as `inv logs --follow` draws a run's log: a file-like
+    object to hand a foreground command as its ``out_stream`` (the demo's model build, say), whose
+    machine progress lines become one live line and whose other lines print above it."""
+
+    def __init__(self, host: str, out=None):
+        self.host, self.board = host, progress.Board(out, every=PLAIN_PROGRESS_EVERY)
+        self.printer = _Printer(False, self.board)
+
+    def write(self, text: str) -> int:
+        self.printer.feed(self.host, text.encode())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.printer.feed(self.host, b"", final=True)
+        self.board.close()
+
+
 def logs(hosts: list[Host], run_id: str, *, lines: int = 50, follow: bool = False, out=None) -> int:
     """`inv logs`: the run's log from every selected host that has it.
 

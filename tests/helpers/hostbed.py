@@ -124,8 +124,9 @@ def missing_capability(level: str) -> str | None:
 # ---------------------------------------------------------------- level A
 
 @contextlib.contextmanager
-def loopback_sshd(tmpdir, users=("root", ML_USER), extra_config=()):
-    """Yield one SshHost per user, all served by one sshd on 127.0.0.1:free-port.
+def loopback_sshd(tmpdir, users=("root", ML_USER), extra_config=(), listen="127.0.0.1"):
+    """Yield one SshHost per user, all served by one sshd on 127.0.0.1:free-port (``listen="::1"``: the
+    IPv6 loopback, the address as the hosts' ansible_host).
 
     Config, keys and log stay in tmpdir (root only); workdirs and TMUX_TMPDIR live in a
     fresh /tmp/specops-hostbed-PID-* that every user can reach, removed at teardown.
@@ -148,25 +149,33 @@ def loopback_sshd(tmpdir, users=("root", ML_USER), extra_config=()):
             port = _free_port()
             conf = tmpdir / "sshd_config"
             conf.write_text(_sshd_config(
-                port, "127.0.0.1", tmpdir / "ssh_host_ed25519_key", client_pub,
+                port, listen, tmpdir / "ssh_host_ed25519_key", client_pub,
                 f"SetEnv TMUX_TMPDIR={shared / 'tmux'}", *extra_config))
             _sh(SSHD, "-t", "-f", str(conf))
-            proc = _spawn(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", SSHD, "-D", "-e", "-f", str(conf)],
-                          tmpdir / "sshd.log")
-            if _wait_banner("127.0.0.1", port, proc, 10):
+            proc = _spawn(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c",
+                           QUIET_STARTUP + 'exec "$@"', "sh", SSHD, "-D", "-e", "-f", str(conf)], tmpdir / "sshd.log")
+            if _wait_banner(listen, port, proc, 10):
                 break
             _stop(proc)
             proc = None
         else:
             raise RuntimeError(f"sshd would not start; see {tmpdir / 'sshd.log'}")
-        line = _known_hosts_line("127.0.0.1", port, host_pub)
-        yield [SshHost(f"loop-{u}", "127.0.0.1", port, u, str(tmpdir / "client_key"),
+        line = _known_hosts_line(listen, port, host_pub)
+        yield [SshHost(f"loop-{u}", listen, port, u, str(tmpdir / "client_key"),
                        _write(tmpdir / f"loop-{u}.known_hosts", line + "\n"), line,
                        str(shared / "tmux"), str(workdirs[u])) for u in users]
     finally:
         if proc:
             _stop(proc)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+# Each command over ssh runs the login shell, which sources the user's ~/.bashrc (Debian's bash does
+# so under sshd). The bed's hosts see this machine's home, whose startup hooks (a `pyenv rehash`,
+# say) can wait on a lock another process holds: inside the sshd's own mount namespace the file is
+# empty, so what the test bed runs never depends on what else this machine is doing.
+QUIET_STARTUP = 'for f in "$HOME/.bashrc" "$HOME/.bash_profile" "$HOME/.profile"; do ' \
+                '[ -f "$f" ] && mount --bind /dev/null "$f"; done; '
 
 
 def _reclaim_stale_shared_dirs() -> None:
@@ -307,6 +316,8 @@ def systemd_machine(tmpdir, boot_timeout: float = 90):
     _write(seed / "etc/systemd/system/hostbed.target", MACHINE_TARGET)
     (seed / "etc/systemd/system/default.target").symlink_to("hostbed.target")
     _write(seed / "etc/sudoers.d/specops-ml", ML_SUDO_RULE, 0o440)
+    for startup in (".bashrc", ".bash_profile", ".profile"):  # as QUIET_STARTUP: the overlay shows this machine's /root
+        _write(seed / "root" / startup, "# the test bed's root: no startup hooks\n")
     _sh("visudo", "-c", "-q", "-f", str(seed / "etc/sudoers.d/specops-ml"))
     proc = None
     with _Subnet() as net:

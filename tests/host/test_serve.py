@@ -52,11 +52,12 @@ def sysd(systemd_host, tmp_path):
     ml, root = systemd_host["ml"], systemd_host["root"]
     workdir = f"{ml.workdir}/svc dir"
     shim(ml, f"{workdir}/venv")
+    port = free_port()  # one for the fixture: a changed port is a changed unit, which serve restarts
 
     def inventory(**extra):
         env = {"STANDIN_LOAD_S": "1", "STANDIN_RECORD": f"{workdir}/record.json", "SPECOPS_TEST_AWKWARD": AWKWARD}
         vars_ = {"workdir": workdir, "flavor": "cpu", "model": "models/standin", "served_model_name": "standin",
-                 "port": 8000, "python": "/usr/bin/python3", "vllm_args": ["--awkward", AWKWARD], "env": env}
+                 "port": port, "python": "/usr/bin/python3", "vllm_args": ["--awkward", AWKWARD], "env": env}
         vars_.update(extra)
         return write_inventory(tmp_path / "inventory.yaml", {"gpu": [ml]}, host_vars={ml.name: vars_})
 
