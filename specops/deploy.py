@@ -4,7 +4,8 @@ What travels (DEPLOY_SET): ``remote/`` (the scripts that do the GPU work), ``tem
 (service files), ``requirements/`` (what `inv deps` installs) and ``examples/`` (the demo's
 prompt file) — into ``<workdir>/code/``. Never ``.git``, venvs, caches, datasets,
 checkpoints or anything ``.gitignore`` names. ``--delete`` prunes stale files inside
-``code/`` only; run outputs live in ``<workdir>/runs`` and ``<workdir>/data``, out of reach.
+``code/`` only, and only a ``code/`` specops made (:mod:`specops.owned`: a user's own ``~/code``
+is refused); run outputs live in ``<workdir>/runs`` and ``<workdir>/data``, out of reach.
 
 rsync is used with the host's exact SSH settings (Session.rsync_location); when rsync is
 missing here or there, files go over SFTP, comparing size and mtime so only changed
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import deps, fanout, transfer
+from . import deps, fanout, owned, transfer
 from .host import Session
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -50,13 +51,14 @@ def deploy(session: Session, *, root: Path = PROJECT_ROOT, delete: bool = True, 
     carries VERSION), so a no-op deploy costs about what a raw no-op rsync costs.
     """
     start = time.monotonic()
+    owned.claim(session, "code", write=not dry_run)  # --delete must never reach a directory it did not make
     with tempfile.TemporaryDirectory(prefix="specops-version-") as tmp:
         version = _version_file(root, Path(tmp))
         filters = [*[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore", "--include=/VERSION",
                    *[f"--include=/{d}/***" for d in DEPLOY_SET], "--exclude=*"]
         pushed = transfer.push_tree(session, f"{session.workdir}/code", [f"{root}/", str(version)], filters,
                                     lambda: {**deployable_files(root), "VERSION": version},
-                                    delete=delete, dry_run=dry_run, rerun="rerun `inv deploy`")
+                                    delete=delete, dry_run=dry_run, rerun="rerun `inv deploy`", keep=(owned.MARK,))
     return SyncResult(len(pushed.changes), pushed.bytes_sent, time.monotonic() - start, pushed.method,
                       pushed.changes)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from . import fanout
+from . import fanout, owned
 from .errors import HostError
 from .host import Session
 
@@ -38,9 +38,11 @@ def check(session: Session, *, fix: bool = False) -> dict:
         raise HostError(f"{session.host.name}: no deployed code in {code}: run `inv deploy --on {session.host.name}`")
     venv = f"{session.workdir}/venv"
     if not session.run(["test", "-x", f"{venv}/bin/python"], check=False, timeout=30).ok:
+        owned.claim(session, "venv")  # a user's own directory named venv is never installed into
         session.run([session.host.python, "-m", "venv", venv], timeout=300)
     report = _report(session)
     if not report["ok"] and fix:
+        owned.claim(session, "venv")  # pip installs and uninstalls: only in a venv specops made
         for cmd in fix_commands(session):
             session.run(cmd, timeout=PIP_TIMEOUT)
         report = _report(session)

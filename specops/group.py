@@ -14,7 +14,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from . import fanout, pull, transfer
+from . import fanout, owned, pull, transfer
 from .errors import SpecopsError
 from .host import Session, quote
 from .inventory import Host
@@ -90,6 +90,7 @@ def ship_data(hosts: list[Host], run_ids: list[str], *, dest: str = "artifacts",
 
         def put(session: Session) -> dict:
             path = shipped_path(session, run_id)
+            owned.claim(session, "data")
             have = session.sh(f"sha256sum {quote(path)} 2>/dev/null", check=False, timeout=600).stdout.split()
             same = have[:1] == [digest.hexdigest()]
             return {"data": run_id, "rows": rows,

@@ -314,11 +314,13 @@ class Session:
         """(extra rsync args, destination spec) for a path on this host.
 
         ``-s``: an rsync before 3.2.4 (macOS's, older distributions) otherwise hands the remote
-        path to the remote shell, which splits it at spaces and runs any ``$(...)`` in it."""
+        path to the remote shell, which splits it at spaces and runs any ``$(...)`` in it. An IPv6
+        address is bracketed: bare, rsync reads its ``::`` as the daemon's module separator."""
         if self._local is not None:
             return [], path
-        user = self._conn.user
-        return ["-s", "-e", shlex.join(self.ssh_argv())], f"{user}@{self.host.address}:{path}"
+        user, address = self._conn.user, self.host.address
+        host = f"[{address}]" if ":" in address else address
+        return ["-s", "-e", shlex.join(self.ssh_argv())], f"{user}@{host}:{path}"
 
     @contextmanager
     def tunnel(self, local_port: int, remote_port: int):

@@ -25,6 +25,7 @@ does); two unrelated groups that set one key differently are an error, not a sil
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import reprlib
 from dataclasses import dataclass, field, fields
@@ -369,7 +370,33 @@ def _parse(path: Path, doc) -> Inventory:
         hosts[hname] = Host(hname, tuple(g for g in host_groups[hname] if g != "all"), merged)
     if not hosts:
         fail("no hosts defined: add one under all.children.<group>.hosts")
+    _no_shared_workdir(fail, hosts)
     return Inventory(path, hosts, groups)
+
+
+def _no_shared_workdir(fail, hosts: dict[str, Host]) -> None:
+    """Two entries for one machine (same address and port, or both this machine) must not share a
+    workdir: they would share its service (each `inv serve` restarting the other's), its runs and
+    their tmux sessions."""
+    seen: dict[tuple, str] = {}
+    for host in hosts.values():
+        key = _workdir_key(host)
+        if key in seen:
+            where = "this machine" if host.is_local else f"{host.address} port {host.ansible_port}"
+            fail(f"hosts {seen[key]!r} and {host.name!r} are one machine ({where}) with one workdir "
+                 f"{_shown(host.workdir)}: each `inv serve` would restart the other's service and their runs "
+                 f"would mix; give each entry its own workdir (and port)")
+        seen[key] = host.name
+
+
+def _workdir_key(host: Host) -> tuple:
+    """(machine, workdir) as the host sees it: ``~`` is the login user's home, so on one machine
+    ``~/specops`` of two users are two workdirs."""
+    workdir = host.workdir
+    if host.is_local:
+        return ("local", posixpath.normpath(os.path.expanduser(workdir)))
+    user = host.ansible_user if workdir == "~" or workdir.startswith("~/") else None
+    return (host.address.lower(), host.ansible_port, user, posixpath.normpath(workdir))
 
 
 def _host_name(fail, name) -> str:

@@ -204,30 +204,25 @@ def merge_shards(local_run: Path, outcomes: list[fanout.Outcome], out) -> int:
 
 
 def merge_jsonl(parts: list[Path], target: Path, keep_first: bool = False) -> tuple[int, int]:
-    """Concatenate JSONL files whose records carry an "id"; (records, duplicates dropped).
+    """Concatenate JSONL files whose records carry a string "id"; (records, duplicates dropped).
 
-    SpecopsError on a bad line, or on a duplicate id unless ``keep_first`` (the parts' shards
-    overlap after a re-plan: the first copy is kept)."""
+    SpecopsError, naming the part and the line, on anything generate never writes (a part that is
+    not a file, bytes that are not UTF-8, a line that is not a JSON object with a string id), or on
+    a duplicate id unless ``keep_first`` (the parts' shards overlap after a re-plan: the first copy
+    is kept)."""
     seen: set = set()
     duplicates: list = []
     tmp = target.with_name(f".{target.name}.tmp")
     try:
         with open(tmp, "w") as merged:
             for part in parts:
-                if not part.exists():
-                    raise SpecopsError(f"{part}: missing; every shard must have written its data.jsonl")
-                with open(part) as f:
-                    for number, line in enumerate(f, 1):
-                        try:
-                            rid = json.loads(line)["id"]
-                        except (ValueError, KeyError, TypeError):
-                            raise SpecopsError(f"{part}: line {number} is not a JSON record with an id") from None
-                        if rid in seen:
-                            duplicates.append(rid)
-                            if keep_first:
-                                continue
-                        seen.add(rid)
-                        merged.write(line if line.endswith("\n") else line + "\n")
+                for rid, line in jsonl_records(part):
+                    if rid in seen:
+                        duplicates.append(rid)
+                        if keep_first:
+                            continue
+                    seen.add(rid)
+                    merged.write(line if line.endswith("\n") else line + "\n")
         if duplicates and not keep_first:
             shown = ", ".join(map(str, duplicates[:10])) + (f" and {len(duplicates) - 10} more"
                                                           if len(duplicates) > 10 else "")
@@ -236,3 +231,29 @@ def merge_jsonl(parts: list[Path], target: Path, keep_first: bool = False) -> tu
     finally:
         tmp.unlink(missing_ok=True)
     return len(seen), len(duplicates)
+
+
+def jsonl_records(part: Path):
+    """(id, line) for each record of a pulled data.jsonl; SpecopsError naming the file and the line at
+    the first one that is not what generate writes (the host wrote it: it is data, never trusted)."""
+    if not part.exists():
+        raise SpecopsError(f"{part}: missing; every shard must have written its data.jsonl")
+    if not part.is_file():
+        raise SpecopsError(f"{part}: not a file; a run's data.jsonl is a file of JSON lines")
+    with open(part, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecopsError(f"{part}: line {number} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                                   f"column {e.start + 1})") from None
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or "id" not in record:
+                raise SpecopsError(f"{part}: line {number} is not a JSON record with an id")
+            if not isinstance(record["id"], str):
+                raise SpecopsError(f"{part}: line {number}: its id is {type(record['id']).__name__} "
+                                   f"{json.dumps(record['id'])[:40]}, not a string (generate writes string ids)")
+            yield record["id"], line

@@ -35,7 +35,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Callable
 
-from . import fanout
+from . import fanout, owned
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
@@ -90,6 +90,7 @@ if [ ! -e "$d" ] && [ {resume} = yes ]; then exit 12; fi
 [ -f {wrapper} ] || exit 13
 [ -x {python} ] || exit 14
 command -v tmux >/dev/null || exit 15
+{claim}
 mkdir -p "$d" && cd "$d" && rm -f exit_code manifest.json || exit 16
 printf '%s\\n' {cmd} >cmd && printf '%s\\n' {meta} >meta.json || exit 16
 tmux kill-session -t "=$s" 2>/dev/null  # a finished session kept by remain-on-exit
@@ -127,11 +128,14 @@ def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None =
     wrapper = f"{code_dir}/remote/run.sh"
     env_file = env_file or Layout(session.workdir).env_file
     pane = shlex.join(["exec", "bash", wrapper, d, session.venv_python, env_file])
-    script = _LAUNCH.format(dir=quote(d), session=quote(tmux_session(session, run_id)),
+    script = _LAUNCH.format(claim=owned.claim_line(session, "runs"), dir=quote(d),
+                            session=quote(tmux_session(session, run_id)),
                             resume="yes" if resume else "no", wrapper=quote(wrapper),
                             python=quote(session.venv_python), cmd=quote(shlex.join(argv)),
                             meta=quote(json.dumps(meta)), pane=quote(pane))
-    r = session.sh(LIVE_PID + script, check=False, timeout=60)
+    r = session.sh(LIVE_PID + owned.FUNCTIONS + script, check=False, timeout=60)
+    if problem := owned.refusal(session, r.exit_code, r.stderr):
+        raise problem
     refusals = {
         10: f"run {run_id} is live on {name}; watch it with `inv logs {run_id} --follow` or stop it with "
             f"`inv stop {run_id}`",

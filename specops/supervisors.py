@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import urls
+from . import owned, urls
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .service_spec import Layout, Policy, Rendered
@@ -67,6 +67,7 @@ class Supervisor:
 
     def write(self, rendered: Rendered) -> bool:
         """Put the rendered files in place; True if any of them changed."""
+        owned.claim(self.session, "service")  # a user's own service/ is neither closed nor written into
         self.session.private_dir(self.layout.dir)  # also when the env file is unchanged (an older, open dir)
         changed = self._replace(self.layout.env_file, rendered.env, 0o600)  # secrets: private from birth
         changed |= self._install(rendered)

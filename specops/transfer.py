@@ -222,21 +222,23 @@ class _NoRemoteRsync(Exception):
 
 
 def push_tree(session: Session, dest: str, rsync_sources: list[str], rsync_filters: list[str], files, *,
-              delete: bool, dry_run: bool, rerun: str = "rerun") -> Pushed:
+              delete: bool, dry_run: bool, rerun: str = "rerun", keep: tuple[str, ...] = ()) -> Pushed:
     """Make ``dest`` on the host hold a local tree; HostError if it fails (a rerun converges).
 
     rsync sends ``rsync_sources`` through ``rsync_filters`` (one process, nothing else: a no-op
     costs what a raw rsync costs). Without rsync here or on the host, ``files()`` (relative
     name -> local path, the same set) goes over SFTP: sizes and mtimes compared with one
-    remote ``find``, the differences uploaded. ``delete`` removes what the tree no longer has.
+    remote ``find``, the differences uploaded. ``delete`` removes what the tree no longer has, but
+    never the top-level names in ``keep`` (the ownership marker, :mod:`specops.owned`).
     """
     if local_rsync_available():
         try:
-            return _rsync_push(session, dest, rsync_sources, rsync_filters, delete=delete, dry_run=dry_run,
-                               rerun=rerun)
+            protect = [f"--filter=P /{name}" for name in keep]
+            return _rsync_push(session, dest, rsync_sources, [*protect, *rsync_filters], delete=delete,
+                               dry_run=dry_run, rerun=rerun)
         except _NoRemoteRsync:
             pass
-    return _sftp_push(session, dest, files(), delete=delete, dry_run=dry_run, rerun=rerun)
+    return _sftp_push(session, dest, files(), delete=delete, dry_run=dry_run, rerun=rerun, keep=keep)
 
 
 def _rsync_push(session: Session, dest: str, sources: list[str], filters: list[str], *, delete: bool,
@@ -262,7 +264,7 @@ def _rsync_push(session: Session, dest: str, sources: list[str], filters: list[s
 
 
 def _sftp_push(session: Session, dest: str, local: dict, *, delete: bool, dry_run: bool,
-               rerun: str = "rerun") -> Pushed:
+               rerun: str = "rerun", keep: tuple[str, ...] = ()) -> Pushed:
     listing = session.sh(f"cd {quote(dest)} 2>/dev/null && find . -type f -printf '%P\\t%s\\t%T@\\n' || true",
                          timeout=60).stdout
     remote = {}
@@ -279,7 +281,7 @@ def _sftp_push(session: Session, dest: str, local: dict, *, delete: bool, dry_ru
             pass
     local = {n: p for n, p in local.items() if n in stats}
     send = [n for n in local if remote.get(n) != (stats[n].st_size, int(stats[n].st_mtime))]
-    stale = [n for n in remote if n not in local] if delete else []
+    stale = [n for n in remote if n not in local and n not in keep] if delete else []
     changes = [f">f {n}" for n in send] + [f"*deleting {n}" for n in stale]
     if not dry_run:
         sftp = session.sftp()

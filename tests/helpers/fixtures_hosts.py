@@ -4,6 +4,7 @@ A missing capability skips on a laptop and fails under CI=true (tests/helpers/ca
 """
 import os
 import secrets
+import socket
 
 import pytest
 
@@ -25,6 +26,24 @@ def loopback(tmp_path_factory):
     require_level("loopback")
     with loopback_sshd(tmp_path_factory.mktemp("sshd")) as hosts:
         yield {h.user: h for h in hosts}
+
+
+@pytest.fixture
+def ipv6_host(tmp_path_factory):
+    """root on a loopback sshd listening on [::1] only: its ansible_host is an IPv6 literal."""
+    require_level("loopback")
+    require(socket.has_ipv6 and _ipv6_loopback(), "IPv6 test host: no ::1 on this machine")
+    with loopback_sshd(tmp_path_factory.mktemp("sshd6"), users=("root",), listen="::1") as hosts:
+        yield hosts[0]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specops import deploy, deps, inventory
+from specops import deploy, deps, inventory, owned
 from specops.errors import HostError
 from specops.host import connect
 from tests.helpers.hostbed import write_inventory
@@ -42,7 +42,7 @@ def _expected(project: Path) -> dict:
 
 def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "VERSION"}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("VERSION", owned.MARK)}
 
 
 @pytest.mark.parametrize("user", ["root", "ml"])
@@ -110,7 +110,8 @@ def test_sftp_fallback_when_host_has_no_rsync(tmp_path, netns_trio, project):
             s.write_file(f"{s.workdir}/code/stale.txt", "old")
             again = deploy.deploy(s, root=project)
             assert again.files_changed == 2
-            listing = s.sh(f"cd {s.workdir}/code && find . -type f ! -name VERSION -exec sha256sum {{}} +").stdout
+            listing = s.sh(f"cd {s.workdir}/code && find . -type f ! -name VERSION ! -name {owned.MARK} "
+                           f"-exec sha256sum {{}} +").stdout
         assert {l.split()[1][2:]: l.split()[0] for l in listing.splitlines()} == _expected(project)
     finally:
         with connect(h) as s:
@@ -150,7 +151,8 @@ def test_cut_link_mid_deploy_then_rerun_converges(tmp_path, netns_trio, project)
             time.sleep(0.5)
     with connect(h) as s:
         deploy.deploy(s, root=project)
-        listing = s.sh(f"cd '{s.workdir}/code' && find . -type f ! -name VERSION -exec sha256sum {{}} +").stdout
+        listing = s.sh(f"cd '{s.workdir}/code' && find . -type f ! -name VERSION ! -name {owned.MARK} "
+                       f"-exec sha256sum {{}} +").stdout
     remote = {line.split()[1][2:]: line.split()[0] for line in listing.splitlines()}
     assert remote == _expected(project)
 

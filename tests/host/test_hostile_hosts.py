@@ -227,3 +227,42 @@ def test_serve_on_a_host_never_deployed_says_what_to_run(tmp_path, ssh_host):
     assert not (workdir / "service").exists()
     lines = [line for line in proc.stdout.splitlines() if "FAILED" in line]
     assert len(lines) == 1 and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- hostile records: that host's error, one line
+
+HOSTILE_DATA = {
+    "data.jsonl is a directory": {"data.jsonl/part": b'{"id": "a"}\n'},
+    "an id that is a list": {"data.jsonl": b'{"id": "a"}\n{"id": ["b"]}\n'},
+    "an id that is an object": {"data.jsonl": b'{"id": {"x": 1}}\n'},
+    "an id that is a number": {"data.jsonl": b'{"id": "a"}\n{"id": 5}\n'},
+    "an id that is null": {"data.jsonl": b'{"id": null}\n'},
+    "bytes that are not UTF-8": {"data.jsonl": b'{"id": "a"}\n{"id": "b\xff\xfe"}\n'},
+    "a record that is a list": {"data.jsonl": b'["id", "a"]\n'},
+}
+
+
+@pytest.mark.parametrize("method", ["rsync", NO_RSYNC_HERE])
+@pytest.mark.parametrize("case", sorted(HOSTILE_DATA))
+def test_hostile_records_are_that_hosts_error_and_nothing_else_is_lost(tmp_path, loopback, method, case):
+    """A sharded run whose second host wrote records no generate writes. Before the fix the merge
+    crashed with a traceback (IsADirectoryError, UnicodeDecodeError, an unhashable id)."""
+    good, bad = loopback["root"], loopback["ml"]
+    for host, shard, files in ((good, "0/2", {"data.jsonl": b'{"id": "g1"}\n{"id": "g2"}\n'}),
+                               (bad, "1/2", HOSTILE_DATA[case])):
+        d = hostile_run(host, "gen-1", files, [], meta=json.dumps({"kind": "generate", "shard": shard}))
+        for p in [d, *d.rglob("*")]:
+            os.chown(p, *(lambda st: (st.st_uid, st.st_gid))(os.stat(host.workdir)))
+        pull_mod.manifest.write(str(d))
+    path = write_inventory(tmp_path / "inventory.yaml", {"bed": [good, bad]})
+    dest = tmp_path / "artifacts"
+    proc = pull(path, dest, method, "--run", "gen-1")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text and "internal error" not in text, text
+    blamed = [line for line in text.splitlines() if bad.name in line and "data.jsonl" in line]
+    assert len(blamed) == 1, text
+    assert not (dest / "gen-1" / "merged.jsonl").exists()
+    assert (dest / "gen-1" / good.name / "data.jsonl").read_bytes() == b'{"id": "g1"}\n{"id": "g2"}\n'
+    good_row = next(line for line in proc.stdout.splitlines() if line.startswith(good.name))
+    assert " ok " in good_row, proc.stdout
