@@ -23,6 +23,7 @@ import html
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -368,6 +369,18 @@ PAGES = {"generate": generate_page, "train": train_page, "eval": eval_page, "ext
 
 # ---------------------------------------------------------------- writing
 
+def heading(kind: str, run_dir: str, meta: dict, when: str) -> tuple[str, str]:
+    """(title, subtitle) from what is known: a run launched by specops has its id, host and start in
+    meta.json; a script run by hand into a directory has none, and the page says where it was drawn
+    instead of showing a placeholder."""
+    run = meta.get("run_id")
+    title = f"{kind} run {run}" if isinstance(run, str) and run else f"{kind} run in {os.path.abspath(run_dir)}"
+    host = meta.get("host") if isinstance(meta.get("host"), str) and meta.get("host") else socket.gethostname()
+    started = meta.get("started")
+    return title, " · ".join([f"host {host}", *([f"started {started}"] if isinstance(started, str) and started else []),
+                              f"report drawn {when}"])
+
+
 def write(run_dir: str, kind: str | None = None, source: str | None = None) -> str:
     """Draw the run's report into RUN_DIR/report.html (replaced atomically); returns its path.
     ``source``: eval's JSON report when it is not RUN_DIR/report.json."""
@@ -375,10 +388,8 @@ def write(run_dir: str, kind: str | None = None, source: str | None = None) -> s
     kind = kind or meta.get("kind")
     if kind not in PAGES:
         raise ValueError(f"no report for a run of kind {kind!r} (one of {', '.join(KINDS)})")
-    run = meta.get("run_id") or os.path.basename(os.path.abspath(run_dir))
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    page = Page(f"{kind} run {run}", f"host {meta.get('host', '?')} · started {meta.get('started', '?')} · "
-                                     f"report drawn {when}")
+    page = Page(*heading(kind, run_dir, meta, when))
     PAGES[kind](run_dir, page, source)
     path = os.path.join(run_dir, "report.html")
     with open(path + ".tmp", "w") as f:
