@@ -240,6 +240,10 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
     grouped = len(hosts) > 1  # one sample list for every rank: the merged data, shipped to every node
     if grouped:
         group.ship_data(hosts, [d for d in data if is_run_id(d)], dest=dest, out=out)
+    checked = fanout.each(hosts, train_preflight, data=data, states=states, grouped=grouped)
+    if any(not o.ok for o in checked):
+        return None, fanout.report(checked, out=out)
+    if grouped:
         with connect(hosts[0]) as master_session:
             port = group.free_port(master_session)
     master = group.master_address(hosts[0])
@@ -256,6 +260,37 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
     return run_id, rc
+
+
+def train_preflight(session: Session, *, data, states=None, grouped: bool = False) -> dict:
+    """Before a GPU-hour is spent: the target is a model directory (its config.json), every --data
+    file and the --states directory are on the host (one round trip). Without this a wrong path
+    fails only inside the run, with a hint about another flag."""
+    target = model_path(session)
+    wanted = [("-f", f"{target}/config.json", None)]
+    wanted += [("-f", group.shipped_path(session, d) if grouped and is_run_id(d)
+                else run_output(session, d, "data.jsonl"), d) for d in data]
+    wanted += [("-d", run_output(session, states, "."), states)] if states else []
+    script = "".join(f"[ {test} {quote(path)} ] || echo {i}\n" for i, (test, path, _) in enumerate(wanted))
+    r = session.sh(script, check=False, timeout=60)
+    missing = [int(x) for x in r.stdout.split() if x.isdigit() and int(x) < len(wanted)]
+    if missing:
+        raise SpecopsError(f"{session.host.name}: {_missing(*wanted[missing[0]], states)}; nothing was started")
+    if not r.ok:
+        raise SpecopsError(f"{session.host.name}: cannot check the model and data paths: {r.stderr.strip()}")
+    return {}
+
+
+def _missing(test: str, path: str, given: str | None, states: str | None) -> str:
+    if given is None:
+        return (f"the target model has no config.json at {path} (not a model directory, or not on this host): "
+                f"set `model` in the inventory to the checkpoint's directory")
+    if given == states and test == "-d":
+        return f"--states {states}: no directory {path} on the host (an extract run id, or a directory of shards)"
+    if is_run_id(given):
+        return (f"--data {given}: no {path} on the host (no such run here, or not a generate run that wrote "
+                f"data: inv status --run {given})")
+    return f"--data {given}: no file {path} on the host"
 
 
 # The runs on a host that ended with exit code 0 and were launched as generate runs, as "finished-at name".
