@@ -168,14 +168,23 @@ def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n
 
 
 @task(help={"on": "the local host to run on (default: the `local` group)", "inventory": HOST_HELP["inventory"],
-            "rows": "prompts to generate answers for", "train_steps": "draft training steps, at most",
-            "train_seconds": "seconds of training steps, at most (the schedule ends there on a slower CPU)",
-            "eval_n": "rows held out of training, on which train and eval measure acceptance length",
+            "full": f"the full recipe: {demo_mod.FULL.rows} rows, {demo_mod.FULL.train_seconds:g} s of training, "
+                    f"{demo_mod.FULL.eval_n} held out (about half an hour on 2 cores)",
+            "rows": f"prompts to generate answers for (default: {demo_mod.QUICK.rows}; --full: {demo_mod.FULL.rows})",
+            "train_steps": "draft training steps, at most",
+            "train_seconds": f"seconds of training steps, at most (default: {demo_mod.QUICK.train_seconds:g}; "
+                             f"--full: {demo_mod.FULL.train_seconds:g})",
+            "eval_n": f"rows held out of training, on which train and eval measure acceptance length (default: "
+                      f"{demo_mod.QUICK.eval_n}; --full: {demo_mod.FULL.eval_n})",
             "fresh": "redo generate/train/eval even if finished runs exist", "dest": "where pulled artifacts go"})
-def demo(c, on=None, inventory=None, rows: int = demo_mod.TINY_PROMPTS, train_steps: int = demo_mod.TRAIN_STEPS,
-         train_seconds: float = demo_mod.TRAIN_BUDGET_S, eval_n: int = demo_mod.HELD_OUT_ROWS, fresh=False,
-         dest="artifacts"):
+def demo(c, on=None, inventory=None, full=False, rows: int = None, train_steps: int = demo_mod.TRAIN_STEPS,
+         train_seconds: float = None, eval_n: int = None, fresh=False, dest="artifacts"):
     """The whole pipeline on this machine, CPU only: deps, tiny model, serve, generate, train, eval, pull."""
     (host,) = select_hosts(c, inventory, on or inventory_mod.DEFAULT_GROUP)[:1]
-    return demo_mod.pipeline(host, rows=int(rows), train_steps=int(train_steps), train_seconds=float(train_seconds),
-                             eval_n=int(eval_n), fresh=fresh, dest=dest)
+    size = demo_mod.FULL if full else demo_mod.QUICK
+    def given(value, default):
+        return default if value is None else value
+
+    return demo_mod.pipeline(host, rows=given(rows, size.rows), train_steps=train_steps,
+                             train_seconds=given(train_seconds, size.train_seconds), eval_n=given(eval_n, size.eval_n),
+                             fresh=fresh, dest=dest, name="demo-full" if full else "demo")

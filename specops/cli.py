@@ -58,8 +58,9 @@ class ParserContext(invoke.ParserContext):
 
     def help_for(self, flag):
         names, text = super().help_for(flag)
-        if self.flags[flag].kind is list and "=" not in names:  # Invoke draws no placeholder for a list
-            names = ", ".join(f"{n}=STRING" if n.startswith("--") else f"{n} STRING" for n in names.split(", "))
+        value = {list: "STRING", float: "NUMBER"}.get(self.flags[flag].kind)  # Invoke draws only STRING and INT
+        if value and "=" not in names:
+            names = ", ".join(f"{n}={value}" if n.startswith("--") else f"{n} {value}" for n in names.split(", "))
         return names, text
 
 

@@ -4,8 +4,8 @@ Every stage calls the same functions the tasks call for a GPU host — deploy/de
 generate, train, eval, pull — so the demo exercises the real code paths, not a toy one.
 The only demo-specific step is building the tiny reasoning model the local host serves, with
 prompts of its domain (``remote/make_tiny_model.py``). Runs get fixed names (``demo-generate``, ``demo-train``,
-``demo-eval``), so a second `inv demo` reuses the model, the data and the draft and finishes
-faster; ``--fresh`` starts those runs again.
+``demo-eval``; ``demo-full-*`` for ``--full``), so a second `inv demo` reuses the model, the data and the
+draft and finishes faster; ``--fresh`` starts those runs again.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import deploy, fanout, jobs, pull, runs, serve, watch
@@ -32,6 +33,22 @@ TINY_DRAFT_RECIPE = ["--lr", "1e-2", "--batch-tokens", "2048", "--ttt-steps", "3
 TRAIN_STEPS = 3000  # a cap that no 2-core machine seen reaches in TRAIN_BUDGET_S: the budget ends the steps
 TRAIN_BUDGET_S = 285  # seconds of steps (train.py --time-budget ends the cosine with them): 5 minutes, less start-up
 HELD_OUT_ROWS = 400  # held out of training: train predicts and measures on them, eval measures them again
+
+
+@dataclass(frozen=True)
+class Size:
+    """How much the demo does: rows generated, seconds of training steps, rows held out to measure on."""
+
+    rows: int
+    train_seconds: float
+    eval_n: int
+
+
+# `inv demo --full`: the recipe's own figure (docs/tiny-draft-recipe.md), in about half an hour on 2 cores.
+FULL = Size(rows=TINY_PROMPTS, train_seconds=TRAIN_BUDGET_S, eval_n=HELD_OUT_ROWS)
+# `inv demo`: every stage, a newcomer's first run; chosen by measurement (docs/tiny-draft-recipe.md, "Quick demo")
+# so that a fresh machine's setup and the whole pipeline fit in 10 minutes.
+QUICK = Size(rows=2000, train_seconds=60, eval_n=200)
 
 
 class Stages:
@@ -57,9 +74,10 @@ class Stages:
                 for r in self.rows]
 
 
-def pipeline(host: Host, *, rows: int = TINY_PROMPTS, train_steps: int = TRAIN_STEPS,
-             train_seconds: float = TRAIN_BUDGET_S, eval_n: int = HELD_OUT_ROWS, fresh: bool = False,
-             dest: str = "artifacts", out=None) -> int:
+def pipeline(host: Host, *, rows: int = QUICK.rows, train_steps: int = TRAIN_STEPS,
+             train_seconds: float = QUICK.train_seconds, eval_n: int = QUICK.eval_n, fresh: bool = False,
+             dest: str = "artifacts", name: str = "demo", out=None) -> int:
+    """Every stage on ``host`` (this machine); runs are ``NAME-generate``, ``NAME-train``, ``NAME-eval``."""
     out = out or sys.stdout
     if not host.is_local:
         raise SpecopsError(f"{host.name}: `inv demo` runs on this machine: pick a host with ansible_connection: "
@@ -69,6 +87,7 @@ def pipeline(host: Host, *, rows: int = TINY_PROMPTS, train_steps: int = TRAIN_S
                            f"held-out rows (--eval-n {eval_n}) than rows (--rows {rows})", exit_code=2)
     stages = Stages(out)
     hosts = [host]
+    run = {stage: f"{name}-{stage}" for stage in ("generate", "train", "eval")}
 
     def check(code: int, what: str) -> None:
         if code:
@@ -85,17 +104,18 @@ def pipeline(host: Host, *, rows: int = TINY_PROMPTS, train_steps: int = TRAIN_S
         prompts = _prompts_path(session)
     stages.stage("serve --wait", lambda: check_ok(serve.on_hosts(hosts, wait=True, timeout=900), "serve"))
     try:
-        stages.stage("generate", lambda: _generate(hosts, prompts, rows, fresh, check, out), "demo-generate")
-        stages.stage("train", lambda: _train(hosts, train_steps, train_seconds, eval_n, min(0.25, eval_n / rows),
-                                             fresh, check, out), "demo-train")
-        stages.stage("eval", lambda: _eval(hosts, eval_n, fresh, dest, check, out), "demo-eval")
-        stages.stage("pull", lambda: _pull(hosts, dest, check, out))
+        stages.stage("generate", lambda: _generate(hosts, run["generate"], prompts, rows, fresh, check, out),
+                     run["generate"])
+        stages.stage("train", lambda: _train(hosts, run, train_steps, train_seconds, eval_n,
+                                             min(0.25, eval_n / rows), fresh, check, out), run["train"])
+        stages.stage("eval", lambda: _eval(hosts, run, eval_n, fresh, dest, check, out), run["eval"])
+        stages.stage("pull", lambda: _pull(hosts, list(run.values()), dest, check, out))
     finally:
         stages.stage("stop service", lambda: check_ok(serve.on_hosts(hosts, stop_service=True), "stop"))
     print("\n=== summary ===", file=out)
     fanout.print_table(stages.summary(dest, host.name), out=out)
     print(f"total {sum(r['seconds'] for r in stages.rows):.0f} s; artifacts in {Path(dest).resolve()}/"
-          f"(demo-generate, demo-train, demo-eval)", file=out, flush=True)
+          f"({', '.join(run.values())})", file=out, flush=True)
     reports = [r["report"] for r in stages.summary(dest, host.name) if r["report"] != "-"]
     if reports:  # the demo ends with its reports: plots of the data, the training and the measurement
         print("reports (open in a browser; `inv report RUN` prints one's path):", file=out)
@@ -163,28 +183,28 @@ def _read_jsonl(hosts, run_id: str, name: str) -> list[dict]:
     return [json.loads(line) for line in (data or b"").decode().splitlines() if line.strip()]
 
 
-def _generate(hosts, prompts, rows, fresh, check, out) -> str:
-    if _fresh_or_reuse(hosts, "demo-generate", fresh, out):
-        _, code = jobs.generate(hosts, n=rows, dataset=prompts, name="demo-generate",
+def _generate(hosts, run_id, prompts, rows, fresh, check, out) -> str:
+    if _fresh_or_reuse(hosts, run_id, fresh, out):
+        _, code = jobs.generate(hosts, n=rows, dataset=prompts, name=run_id,
                                 follow=True, out=out, extra=["--max-tokens", "384", "--concurrency", "16"])
         check(code, "generate")
-    stats = _read_json(hosts, "demo-generate", "stats.json")
+    stats = _read_json(hosts, run_id, "stats.json")
     r = stats.get("rows", {})
     if not r.get("done"):
-        check(1, "generate: no row completed (see errors.jsonl: inv pull --run demo-generate)")
+        check(1, f"generate: no row completed (see errors.jsonl: inv pull --run {run_id})")
     return (f"{r.get('done')} rows ({r.get('errors', 0)} errors, {r.get('truncated', 0)} truncated), "
             f"{stats.get('out_tok_s')} output tok/s")
 
 
-def _train(hosts, steps, seconds, held_out, val_fraction, fresh, check, out) -> str:
+def _train(hosts, run, steps, seconds, held_out, val_fraction, fresh, check, out) -> str:
     """Training that measures its checkpoints in vLLM on the held-out rows (--eval-every) and keeps the best."""
-    if _fresh_or_reuse(hosts, "demo-train", fresh, out):
-        _, code = jobs.train(hosts, data=["demo-generate"], steps=steps, name="demo-train", follow=True, out=out,
+    if _fresh_or_reuse(hosts, run["train"], fresh, out):
+        _, code = jobs.train(hosts, data=[run["generate"]], steps=steps, name=run["train"], follow=True, out=out,
                              eval_every=max(1, steps // 2),
                              extra=[*TINY_DRAFT_RECIPE, "--time-budget", str(seconds),
                                     "--val-fraction", str(val_fraction), "--eval-n", str(held_out)])
         check(code, "train")
-    kept = [e for e in _read_jsonl(hosts, "demo-train", "evals.jsonl") if e.get("kept")]
+    kept = [e for e in _read_jsonl(hosts, run["train"], "evals.jsonl") if e.get("kept")]
     if not kept:
         check(1, "train: no evaluation recorded (no evals.jsonl: a run of an older specops? `inv demo --fresh`)")
     best = kept[-1]
@@ -196,21 +216,21 @@ def _train(hosts, steps, seconds, held_out, val_fraction, fresh, check, out) -> 
             f"measured in vLLM {best.get('measured_al')}, after {best.get('train_s')} s of training steps{where}")
 
 
-def _eval(hosts, n, fresh, dest, check, out) -> str:
+def _eval(hosts, run, n, fresh, dest, check, out) -> str:
     """The kept draft measured again, with the baseline for the speedup, on the rows train held out."""
-    if _fresh_or_reuse(hosts, "demo-eval", fresh, out):
+    if _fresh_or_reuse(hosts, run["eval"], fresh, out):
         with connect(hosts[0]) as session:
-            heldout = f"{runs.run_dir(session, 'demo-train')}/heldout.jsonl"
-        _, code, _ = jobs.evaluate(hosts, draft="demo-train", prompts=heldout, n=n, name="demo-eval", dest=dest,
+            heldout = f"{runs.run_dir(session, run['train'])}/heldout.jsonl"
+        _, code, _ = jobs.evaluate(hosts, draft=run["train"], prompts=heldout, n=n, name=run["eval"], dest=dest,
                                    out=out, extra=["--temperature", "0"])
         check(code, "eval")
-    report = _read_json(hosts, "demo-eval", "report.json")
+    report = _read_json(hosts, run["eval"], "report.json")
     return (f"measured acceptance length {report.get('acceptance_length')} (K=3, max 4.0; "
             f"{report.get('delivered_length')} tokens delivered a step) on {report.get('n')} held-out prompts, "
             f"speedup {report.get('speedup')}")
 
 
-def _pull(hosts, dest, check, out) -> str:
-    for run_id in ("demo-generate", "demo-train", "demo-eval"):
+def _pull(hosts, run_ids, dest, check, out) -> str:
+    for run_id in run_ids:
         check(pull.pull(hosts, run_id, dest=dest, out=out), f"pull {run_id}")
-    return f"{Path(dest).resolve()}/demo-*/{hosts[0].name}/"
+    return f"{Path(dest).resolve()}/{{{','.join(run_ids)}}}/{hosts[0].name}/"

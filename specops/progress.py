@@ -33,6 +33,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+MACHINE_PREFIX = "specops-progress {"
 MACHINE_LINE = re.compile(r"specops-progress (\{.*\})\s*$")
 
 

@@ -255,7 +255,8 @@ class _Printer:
                 text = untrusted.clean(line.decode("utf-8", "replace"), self.secrets.get(host))
                 m = progress.MACHINE_LINE.search(text)
                 if not m:
-                    self.board.print(prefix + text)
+                    if progress.MACHINE_PREFIX not in text:  # else a torn machine line: for tools, not a person
+                        self.board.print(prefix + text)
                     continue
                 parsed = _progress(m.group(1))
                 if not isinstance(parsed, dict):  # a torn machine line: for tools, not for a person

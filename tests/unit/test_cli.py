@@ -29,9 +29,9 @@ def test_a_one_letter_flag_has_both_spellings_and_no_task_hands_out_letters():
 def test_counts_are_typed_and_defaults_are_shown():
     ctx = _contexts()
     train = dict(ctx["train"].help_tuples())
-    assert "--steps=INT" in train and "--epochs=STRING" not in train  # a float: Invoke draws no placeholder
+    assert "--steps=INT" in train and "--epochs=NUMBER" in train
     assert "--data=STRING" in train  # repeatable: a value placeholder all the same
-    assert "(default: 60" in train["--rendezvous-timeout"]
+    assert "(default: 60" in train["--rendezvous-timeout=NUMBER"]
     generate = dict(ctx["generate"].help_tuples())
     assert "-n INT, --n INT" in generate
 

@@ -37,6 +37,7 @@ all:
                timeout=1800, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
+    assert "specops-progress {" not in out  # every stage draws for people; machine lines stay in the logs
     summary = out[out.index("=== summary ==="):]
     for stage in ("deploy + deps", "tiny model", "serve --wait", "generate", "train", "eval", "pull",
                   "stop service"):
@@ -66,3 +67,4 @@ all:
                 timeout=1200, env=env)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert again.stdout.count("reusing the finished run") == 3
+    assert "specops-progress {" not in again.stdout + again.stderr
