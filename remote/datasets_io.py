@@ -55,7 +55,11 @@ def open_rows(name_or_path, split="train", shuffle_seed=None):
     except DatasetError:
         raise
     except Exception as e:  # datasets raises many kinds; all mean the same thing here
-        raise DatasetError(f"cannot open dataset '{name_or_path}': {one_line(e)}") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
+        why = (" (HF_HUB_OFFLINE is set on this host, so the hub is not asked: put the dataset in the host's "
+               "hub cache, pass a local file with --dataset, or drop HF_HUB_OFFLINE from the inventory's env)"
+               if offline and not os.path.exists(name_or_path) and not isinstance(e, ImportError) else "")
+        raise DatasetError(f"cannot open dataset '{name_or_path}': {one_line(e)}{why}") from None
     if first is None:
         raise DatasetError(f"dataset '{name_or_path}' (split {split}) has no rows")
     return reading_errors(itertools.chain([first], rows), name_or_path)
@@ -221,11 +225,30 @@ def first_prompt(row) -> list[dict] | None:
         return None
 
 
-def row_id(row, chunks=None):
-    """The row's stable id: its id column if set, else a hash of its prompt messages (the raw row
-    or line for a malformed one), so re-runs and other hosts name the same row the same way."""
+def given_id(row):
+    """The row's id column: a string or an integer, None when unset or empty; RowError for any other
+    type (a float, a list: no one id to write down)."""
     given = row.get("id") if isinstance(row, dict) else None
-    if given is not None and str(given) != "":
+    if given is None or given == "":
+        return None
+    if isinstance(given, str) or type(given) is int:
+        return given
+    raise RowError(f"id is {type(given).__name__}, not a string or an integer")
+
+
+def id_type(given):
+    """The name of an id's type, as the run records it: "string" or "integer"."""
+    return "string" if isinstance(given, str) else "integer"
+
+
+def row_id(row, chunks=None):
+    """The row's stable id: its id column (as text) if set, else a hash of its prompt messages (the
+    raw row or line for a malformed one), so re-runs and other hosts name the same row the same way."""
+    try:
+        given = given_id(row)
+    except RowError:  # the row is refused for it; its error still needs a name
+        given = None
+    if given is not None:
         return str(given)
     basis = chunks if chunks is not None else row.text if isinstance(row, UnreadableRow) else row
     text = json.dumps(basis, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)

@@ -6,10 +6,12 @@ slow one instead of both being held to the slow one's pace.
 
 An endpoint that fails (connection refused or dropped, timeout, 408/409/429/5xx) is put on probation:
 one request at a time until one succeeds. After a connection-level failure it also rests for an
-exponentially growing, jittered while, so a dead server is probed, not hammered. The pool knows how
-long every endpoint has been failing, which is what lets the caller give up cleanly.
+exponentially growing, jittered while, so a dead server is probed, not hammered. A 429 or 503 that
+says `Retry-After` rests that endpoint (only) that long, capped at RETRY_AFTER_CAP_S. The pool knows
+how long every endpoint has been failing, which is what lets the caller give up cleanly.
 """
 import asyncio
+import email.utils
 import importlib
 import random
 import time
@@ -18,6 +20,8 @@ import openai
 
 RETRYABLE_STATUS = {408, 409, 429}
 ENDPOINT_REST_BASE_S, ENDPOINT_REST_CAP_S = 0.5, 15.0
+# A server may ask for any pause; one that asks for an hour must not stall the run for an hour.
+RETRY_AFTER_CAP_S = 60.0
 
 
 def api_base(url):
@@ -40,9 +44,26 @@ class Failure(Exception):
     retrying won't help).
     """
 
-    def __init__(self, kind, message, status=None):
+    def __init__(self, kind, message, status=None, retry_after=None):
         super().__init__(message)
-        self.kind, self.status, self.attempts = kind, status, None
+        self.kind, self.status, self.attempts, self.retry_after = kind, status, None, retry_after
+
+
+def retry_after_s(headers, now=None):
+    """Seconds a 429/503's `retry-after-ms` or `Retry-After` (seconds, or an HTTP date) asks to wait,
+    capped at RETRY_AFTER_CAP_S; None when it asks nothing readable."""
+    try:
+        if (ms := headers.get("retry-after-ms")) is not None:
+            seconds = float(ms) / 1000
+        elif (value := headers.get("retry-after")) is None:
+            return None
+        elif value.strip().replace(".", "", 1).isdigit():
+            seconds = float(value)
+        else:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - (now or time.time())
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return min(RETRY_AFTER_CAP_S, max(0.0, seconds)) if seconds == seconds else None  # NaN: unreadable
 
 
 def classify(e):
@@ -57,7 +78,8 @@ def classify(e):
     if isinstance(e, openai.APIStatusError):
         status = e.status_code
         kind = "retryable" if status in RETRYABLE_STATUS or status >= 500 else "fatal"
-        return Failure(kind, f"HTTP {status}: {' '.join(str(e.message).split())}"[:300], status)
+        wait = retry_after_s(e.response.headers) if status in (429, 503) else None
+        return Failure(kind, f"HTTP {status}: {' '.join(str(e.message).split())}"[:300], status, wait)
     if isinstance(e, openai.OpenAIError):  # e.g. an answer that does not parse
         return Failure("fatal", f"{type(e).__name__}: {e}"[:300])
     if isinstance(e, ValueError):  # the SDK parsing a body sent as application/json that is not JSON
@@ -77,11 +99,20 @@ class Endpoint:
         self.failures = 0  # consecutive; 0 = healthy
         self.failing_since = None  # monotonic time of the first failure in the current run of them
         self.rest_until = 0.0
+        self.answered_at = 0.0  # monotonic time of the latest answer (a completion or a 4xx)
         self.requests = self.failed = 0  # totals, for stats
 
     def takes_one_more(self, now):
         limit = 1 if self.failures else self.concurrency
         return self.in_flight < limit and now >= self.rest_until
+
+    async def answers(self):
+        """Whether the server answers a model listing now: it is up, whatever a request just met."""
+        try:
+            await self.client.models.list(timeout=10)
+            return True
+        except Exception:
+            return False
 
 
 def http_client(concurrency, timeout):
@@ -136,6 +167,7 @@ class EndpointPool:
             was_failing = endpoint.failures > 0
             if failure is None or failure.kind == "fatal":  # it answered: it is alive
                 endpoint.failures, endpoint.failing_since = 0, None
+                endpoint.answered_at = time.monotonic()
             else:
                 endpoint.failed += 1
                 endpoint.failures += 1
@@ -143,6 +175,8 @@ class EndpointPool:
                 if failure.kind == "connection":
                     endpoint.rest_until = time.monotonic() + backoff_s(
                         endpoint.failures, ENDPOINT_REST_BASE_S, ENDPOINT_REST_CAP_S)
+                if failure.retry_after is not None:
+                    endpoint.rest_until = max(endpoint.rest_until, time.monotonic() + failure.retry_after)
             # A recovered endpoint opens all its slots at once; otherwise one slot came free.
             if was_failing and not endpoint.failures:
                 self.changed.notify_all()

@@ -6,7 +6,7 @@
         [--n N] [--shard I/K] [--shuffle --seed S] [--model NAME] [--concurrency 64]
         [--max-tokens 8192] [--temperature T] [--top-p P] [--timeout 1800] [--max-retries 8]
         [--turns all|first] [--enable-thinking|--disable-thinking] [--api-key-env VLLM_API_KEY]
-        [--give-up-after 600] [--drop-truncated] [--resume]
+        [--give-up-after 600] [--drop-truncated] [--min-success 0.5] [--resume]
 
 A draft model learns best from the target's own outputs, so every assistant turn of a dataset row
 is regenerated in order, sending back the model's own earlier answers (content only: earlier
@@ -21,34 +21,45 @@ rows in errors.jsonl. Rows sharing an id (the same prompt, when ids are hashes) 
 A row whose turn was cut by --max-tokens ends there and is marked truncated. Memory stays flat:
 rows stream in, and only as many are held as there are request slots (plus the set of done ids).
 
-A reply that is not a well-typed chat completion is a failed attempt of its row, retried like a
-5xx and then recorded in errors.jsonl; a dataset line that does not parse is its row's error there.
+A reply that is not a well-typed chat completion (text that is not valid UTF-8 included) is a
+failed attempt of its row, retried like a 5xx and then recorded in errors.jsonl; a dataset line that
+does not parse is its row's error there. Every failure of a request counts against its row, a dropped
+connection too once the server is seen to answer (other rows succeed, or it lists its models):
+only a server that is down is not the row's fault. The run's dataset and split are recorded in
+input.json: a resume reads them again (another --dataset is refused), and ids are strings or
+integers, never both in one run (the first id's type holds; 5 and "5" never name one row).
+Known secrets (--api-key-env's value, VLLM_API_KEY, HF_TOKEN) never reach a file or the log.
 
-Exit codes: 0 done (some rows may be in errors.jsonl), 1 the dataset failed mid-way, 2 bad input
-(arguments, dataset, output directory, an endpoint that refuses to list its models, or a dataset
-none of whose first 256 rows is in a shape read here), 3 every endpoint failed for --give-up-after
-seconds, 130/143 interrupted by SIGINT/SIGTERM. Completed rows are kept in every case. A progress
-line `specops-progress {json}` goes to stdout every few seconds.
+Exit codes: 0 done, at least --min-success of the rows in data.jsonl (the rest in errors.jsonl),
+1 the dataset failed mid-way, 2 bad input (arguments, dataset, output directory, an endpoint that
+refuses to list its models, or a dataset none of whose first 256 rows is in a shape read here),
+3 every endpoint failed for --give-up-after seconds, 4 fewer than --min-success of the rows
+succeeded (one line names the commonest error; stats.json's "failure" says the same),
+130/143 interrupted by SIGINT/SIGTERM. Completed rows are kept in every case. A progress line
+`specops-progress {json}` goes to stdout every few seconds.
 """
 import argparse
 import asyncio
+import collections
 import gc
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import time
 
-from conversations import SHAPES, shape_of
-from datasets_io import (DatasetError, RowError, UnreadableRow, open_rows, prompt_chunks, row_id,
-                         row_messages, shard_size, take_shard)
+from conversations import SHAPES, shape_of, short
+from datasets_io import (DatasetError, RowError, UnreadableRow, given_id, id_type, open_rows, prompt_chunks,
+                         row_id, row_messages, shard_size, take_shard)
 from endpoints import EndpointPool, Failure, backoff_s, classify
 import report
-from run_files import RunDirError, RunFiles
-from script import PROGRESS_EVERY_S, progress, shard_spec
+from run_files import LONE_SURROGATE, RunDirError, RunFiles, Unwritable, read_input, record_bytes
+from script import PROGRESS_EVERY_S, RedactingStream, Secrets, progress, shard_spec
 
 ROW_RETRY_BASE_S, ROW_RETRY_CAP_S = 1.0, 60.0
+DEFAULT_DATASET, DEFAULT_SPLIT = "mlabonne/open-perfectblend", "train"
 READ_BATCH = 256  # rows per hop to the reader thread; the first batch decides the shape
 START_RAMP_S = 1.0
 
@@ -58,9 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--endpoint", action="append", required=True, metavar="URL",
                     help="server base URL, http://host:port or .../v1; repeat for several")
     ap.add_argument("--model", help="served model name (default: the first one /v1/models lists)")
-    ap.add_argument("--dataset", default="mlabonne/open-perfectblend",
-                    help="hub dataset name, or a local .jsonl/.json/.parquet file or directory")
-    ap.add_argument("--split", default="train")
+    ap.add_argument("--dataset", help=f"hub dataset name, or a local .jsonl/.json/.parquet file or "
+                    f"directory (default: the run's own on a resume, else {DEFAULT_DATASET})")
+    ap.add_argument("--split", help=f"default: the run's own on a resume, else {DEFAULT_SPLIT}")
     ap.add_argument("--n", type=positive_int, help="use the first N rows (counted before sharding)")
     ap.add_argument("--shard", type=shard_arg, default=((0, 1),), metavar="I/K",
                     help="take the rows whose index mod K == I (several I/K joined by ',': any of them)")
@@ -88,6 +99,9 @@ def parse_args(argv=None):
                     help="environment variable holding the API key (never pass the key itself)")
     ap.add_argument("--drop-truncated", action="store_true",
                     help="keep rows cut by --max-tokens out of data.jsonl (they go to errors.jsonl)")
+    ap.add_argument("--min-success", type=share, default=0.5, metavar="SHARE",
+                    help="fail (exit 4) when less than this share of the rows is in data.jsonl at the "
+                         "end (0 to 1; default 0.5)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the run in DIR (required to exist); plain re-runs resume too")
     ap.add_argument("--check", action="store_true",
@@ -99,6 +113,13 @@ def positive_int(text):
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def share(text):
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
 
 
@@ -150,6 +171,14 @@ def split_reasoning(message):
     return None, content
 
 
+def check_text(**texts):
+    """Malformed for the first of texts (name=str or None) that is not valid UTF-8 text: a lone
+    surrogate arrives as a valid JSON escape ("\\ud800") but cannot be written as UTF-8."""
+    for name, text in texts.items():
+        if text and LONE_SURROGATE.search(text):
+            raise Malformed(f"{name} is not valid UTF-8 text (a lone surrogate)")
+
+
 def read_reply(reply):
     """(reasoning, content, finish_reason, usage) of a chat completion, every field checked for the
     type the API gives it: nothing the server sends can crash the run or reach data.jsonl wrongly typed."""
@@ -164,6 +193,7 @@ def read_reply(reply):
     if finish_reason is not None and not isinstance(finish_reason, str):
         raise Malformed(f"finish_reason is {type(finish_reason).__name__}, not a string")
     reasoning, content = split_reasoning(message)
+    check_text(**{"message.reasoning": reasoning, "message.content": content, "finish_reason": finish_reason})
     return reasoning, content, finish_reason, usage(reply.get("usage"))
 
 
@@ -177,6 +207,34 @@ class Stats:
         self.truncated = self.dropped = self.empty = 0
         self.requests = self.failed_attempts = 0
         self.prompt_tokens = self.completion_tokens = self.reasoning_tokens = 0
+        self.error_kinds = collections.Counter()  # an error with its numbers blanked -> rows
+        self.error_example = {}  # that key -> the first error text seen with it
+
+    def failed_row(self, error):
+        """Tally one row's error, so the run can name its commonest kind (row-specific numbers aside)."""
+        key = re.sub(r"\d+", "#", error)
+        self.error_kinds[key] += 1
+        self.error_example.setdefault(key, error)
+
+    def commonest_error(self):
+        """{"error": an example, "rows": how many rows failed that way}, or None without errors."""
+        if not self.error_kinds:
+            return None
+        key, rows = self.error_kinds.most_common(1)[0]
+        return {"error": self.error_example[key], "rows": rows}
+
+    def failure(self, min_success):
+        """The one line saying why the run failed for want of rows, or None if enough succeeded.
+
+        Rows settled without a record count against it (errors, malformed, dropped as truncated);
+        rows done by an earlier run count for it. A shard with no rows at all has not failed."""
+        done = self.done_before + self.completed
+        failed = self.errors + self.malformed + self.dropped
+        if not failed or done >= min_success * (done + failed):
+            return None
+        common = self.commonest_error()
+        return (f"only {done} of {done + failed} rows succeeded (less than --min-success {min_success:g}); "
+                f"commonest error ({common['rows']} rows): {common['error']}")
 
     def finished(self):
         """Rows of the shard settled so far, this run or before."""
@@ -196,10 +254,11 @@ class Stats:
                 "eta_s": eta, "errors": self.errors + self.malformed, "truncated": self.truncated,
                 "empty": self.empty, "retries": self.failed_attempts, "in_flight": in_flight}
 
-    def summary(self, pool, outcome):
+    def summary(self, pool, outcome, failure=None):
         wall = time.monotonic() - self.start
         return {
-            "outcome": outcome, "wall_s": round(wall, 3),
+            "outcome": outcome, "failure": failure, "commonest_error": self.commonest_error(),
+            "wall_s": round(wall, 3),
             "rows": {"total": self.total, "done": self.done_before + self.completed,
                      "done_before": self.done_before, "completed": self.completed,
                      "errors": self.errors, "malformed": self.malformed,
@@ -226,6 +285,7 @@ class Generator:
         """One assistant turn: (reasoning, content, finish_reason, usage, latency_s, endpoint URL).
 
         Retried as the failure allows; raises Failure when out of retries or on a fatal one.
+        Every failure counts against the row, except a connection failure while the server is down.
         """
         counted = attempts = 0
         while True:
@@ -246,8 +306,8 @@ class Generator:
                 if failure.kind == "fatal":
                     raise failure from None
                 self.stats.failed_attempts += 1
-                if failure.kind == "connection":  # the endpoint rests; the row is not to blame
-                    continue
+                if failure.kind == "connection" and not await row_to_blame(endpoint, started):
+                    continue  # the server is down: the endpoint rests, the row is not charged
                 counted += 1
                 if counted > self.args.max_retries:
                     raise failure from None
@@ -257,7 +317,15 @@ class Generator:
             await self.pool.release(endpoint)
             return (*answer, latency, endpoint.url)
 
-    async def run_row(self, rid, source, chunks):
+    def row_failed(self, rid, where, error, attempts=None, status=None, turn=None):
+        """Record a row that produced no record (errors.jsonl, with its dataset line when known)."""
+        self.stats.errors += 1
+        self.stats.failed_row(error)
+        line = {"line": where} if where else {}
+        self.files.add_error({"id": rid, "error": error, "attempts": attempts, "status": status,
+                              "turn": turn, **line})
+
+    async def run_row(self, rid, where, source, chunks):
         """Generate every turn of one row, then append it (or its error) in one write."""
         sent, messages, turns, truncated = [], [], [], False
         for chunk in chunks:
@@ -266,10 +334,7 @@ class Generator:
             try:
                 reasoning, content, finish_reason, use, latency, url = await self.ask(sent)
             except Failure as f:
-                self.stats.errors += 1
-                self.files.add_error({"id": rid, "error": str(f), "attempts": f.attempts,
-                                      "status": f.status, "turn": len(turns)})
-                return
+                return self.row_failed(rid, where, str(f), f.attempts, f.status, len(turns))
             messages.append({"role": "assistant", "content": content, "reasoning": reasoning})
             sent.append({"role": "assistant", "content": content or ""})
             turns.append({"finish_reason": finish_reason, "usage": use,
@@ -282,12 +347,16 @@ class Generator:
             self.stats.truncated += 1
             if self.args.drop_truncated:
                 self.stats.dropped += 1
+                self.stats.failed_row("truncated at --max-tokens (dropped)")
                 self.files.add_error({"id": rid, "error": "truncated at --max-tokens (dropped)",
                                       "attempts": None, "status": None, "turn": len(turns) - 1})
                 return
-        self.files.add_record({"id": rid, "source": source, "messages": messages,
-                               "truncated": truncated, "turns": turns,
-                               "model": self.model, "params": self.params})
+        try:
+            self.files.add_record({"id": rid, "source": source, "messages": messages,
+                                   "truncated": truncated, "turns": turns,
+                                   "model": self.model, "params": self.params})
+        except Unwritable as e:
+            return self.row_failed(rid, where, f"not kept: {e}", turn=len(turns) - 1)
         self.stats.completed += 1
 
     def count_turn(self, use, content, finish_reason):
@@ -298,6 +367,13 @@ class Generator:
         s.reasoning_tokens += use["reasoning_tokens"] or 0
         if finish_reason != "length" and not (content or "").strip():
             s.empty += 1
+
+
+async def row_to_blame(endpoint, started):
+    """Whether a connection failure of a request sent at `started` is its row's doing: the server
+    answered something since (another row's request, or a model listing asked now). A server that
+    is down answers neither, and its rows wait for it uncharged."""
+    return endpoint.answered_at > started or await endpoint.answers()
 
 
 def usage(u):
@@ -354,7 +430,38 @@ async def until_stopped(awaitable, stop):
 
 
 EXIT_CODES = {None: 0, "dataset failed": 1, "bad endpoint": 2, "bad dataset": 2, "gave up": 3,
-              "interrupted": 130, "terminated": 143}
+              "too few succeeded": 4, "interrupted": 130, "terminated": 143}
+
+
+class IdTypes:
+    """One id type per run: the first given id's, kept in input.json so every resume holds to it.
+    A row whose id is of the other type is refused, so that 5 and "5" never name one row."""
+
+    def __init__(self, files, record):
+        self.files, self.record = files, record
+
+    def check(self, row):
+        """RowError for a row whose id is not a string or integer, or not of the run's type."""
+        given = given_id(row)
+        if given is None:
+            return
+        kind, run_kind = id_type(given), self.record.get("id_type")
+        if run_kind is None:
+            self.record["id_type"] = kind
+            self.files.write_input(self.record)
+        elif kind != run_kind:
+            raise RowError(f"id {short(given)} is {'an' if kind == 'integer' else 'a'} {kind}, but this "
+                           f"run's ids are {run_kind}s (mixing them is refused: 5 and \"5\" would be one row)")
+
+
+def row_refusal(rid, row, chunks, secrets):
+    """Why a row's own text cannot be sent and kept (not UTF-8, a known secret in it), or None."""
+    try:
+        record_bytes({"id": rid, "source": row.get("source"),
+                      "messages": [m for chunk in chunks for m in chunk]}, secrets)
+    except Unwritable as e:
+        return str(e)
+    return None
 
 
 def row_chunks(row):
@@ -380,11 +487,11 @@ def shape_refusal(dataset, rows):
             f"expected {SHAPES}; saw {seen} ({where}: {error})")
 
 
-async def run(args, files, rows, total):
+async def run(args, files, rows, total, input_record):
     """Feed rows to workers until the dataset ends, a signal comes, or every endpoint is dead."""
     pool = EndpointPool(args.endpoint, args.concurrency,
                         os.environ.get(args.api_key_env) or "EMPTY", args.timeout)
-    stats = Stats(total)
+    stats, id_types = Stats(total), IdTypes(files, input_record)
     stop, outcome = asyncio.Event(), {"why": None}
 
     def stop_because(why):
@@ -409,23 +516,29 @@ async def run(args, files, rows, total):
                 files.write_stats(stats.summary(pool, "running"))
                 report.refresh(args.out, "generate")
 
+    def refuse(where, row, why, rid=None):
+        error = {"id": rid or row_id(row), "error": why, "attempts": 0, "status": None, "turn": None}
+        files.add_error({**error, "line": where} if where else error)
+        stats.malformed += 1
+        stats.failed_row(why)
+
     def admit(where, row, seen):
         """The work item for a row, or None when it is malformed, done already or a duplicate."""
         try:
             chunks = row_chunks(row)
+            id_types.check(row)
         except RowError as e:
-            error = {"id": row_id(row), "error": str(e), "attempts": 0, "status": None, "turn": None}
-            files.add_error({**error, "line": where} if where else error)
-            stats.malformed += 1
-            return None
+            return refuse(where, row, str(e))
         rid = row_id(row, chunks)
+        if rid not in files.done_ids and (why := row_refusal(rid, row, chunks, files.secrets)):
+            return refuse(where, row, why, rid)
         if rid in files.done_ids:
             stats.done_before += 1
         elif rid in seen:
             stats.duplicates += 1
         else:
             seen.add(rid)
-            return rid, row.get("source"), chunks if args.turns == "all" else chunks[:1]
+            return rid, where, row.get("source"), chunks if args.turns == "all" else chunks[:1]
         return None
 
     async def produce(queue, workers):
@@ -470,8 +583,12 @@ async def run(args, files, rows, total):
     finally:
         monitor_task.cancel()
         await pool.close()
+    failure = stats.failure(args.min_success) if outcome["why"] is None else None
+    if failure:
+        print(f"generate: {failure}", file=sys.stderr, flush=True)
+        outcome["why"] = "too few succeeded"
     progress(**stats.progress(0))
-    files.write_stats(stats.summary(pool, outcome["why"] or "completed"))
+    files.write_stats(stats.summary(pool, outcome["why"] or "completed", failure))
     report.finish(args.out, "generate")
     return EXIT_CODES[outcome["why"]]
 
@@ -498,10 +615,41 @@ def fail(message):
     return 2
 
 
+def dataset_identity(name):
+    """How input.json names a dataset: a local path resolved (so ./p.jsonl and /abs/p.jsonl are one),
+    anything else (a hub name) as given."""
+    return os.path.realpath(name) if os.path.exists(name) else name
+
+
+def input_of(args):
+    """(the input record this run holds to, None) or (None, the one line refusing it).
+
+    A resume (or a plain re-run into the directory) reads the dataset and split the run recorded,
+    unless given again; another dataset would append rows the run never had, so it is refused."""
+    recorded = read_input(args.out) if not args.check else None
+    args.dataset = args.dataset or (recorded or {}).get("dataset") or DEFAULT_DATASET
+    args.split = args.split or (recorded or {}).get("split") or DEFAULT_SPLIT
+    record = {"dataset": dataset_identity(args.dataset), "split": args.split}
+    if recorded is None:
+        return {**record, "id_type": None}, None
+    if (recorded.get("dataset"), recorded.get("split")) != (record["dataset"], record["split"]):
+        return None, (f"{args.out} holds a run of {short(recorded.get('dataset'), 200)} (split "
+                      f"{short(recorded.get('split'))}), not {short(record['dataset'], 200)} (split "
+                      f"{short(record['split'])}): resume it with its own dataset, or start another run")
+    return {**record, "id_type": recorded.get("id_type")}, None
+
+
 def main(argv=None):
     args = parse_args(argv)
+    secrets = Secrets(names=(args.api_key_env,))
+    # Everything the log gets passes here: an error body that quotes the API key is shown redacted.
+    sys.stdout, sys.stderr = RedactingStream(sys.stdout, secrets), RedactingStream(sys.stderr, secrets)
+    os.umask(0o077)  # what this run writes (report.html too) is its user's alone
     if args.resume and not os.path.exists(os.path.join(args.out, "data.jsonl")):
         return fail(f"--resume: {args.out} holds no data.jsonl to resume")
+    input_record, refusal = input_of(args)
+    if refusal:
+        return fail(refusal)
     try:
         rows = take_shard(open_rows(args.dataset, args.split, args.seed if args.shuffle else None),
                           args.n, args.shard)
@@ -509,9 +657,10 @@ def main(argv=None):
             if refusal := shape_refusal(args.dataset, list(itertools.islice(rows, READ_BATCH))):
                 return fail(refusal)
             return asyncio.run(check_endpoints(args))
-        files = RunFiles(args.out)
+        files = RunFiles(args.out, secrets)
     except (DatasetError, RunDirError) as e:
         return fail(e)
+    files.write_input(input_record)
     if files.torn_bytes:
         print(f"generate: cut off a torn last line of data.jsonl ({files.torn_bytes} bytes)",
               file=sys.stderr, flush=True)
@@ -519,7 +668,8 @@ def main(argv=None):
     # a pause long enough to bunch up hundreds of requests.
     gc.freeze()
     try:
-        return asyncio.run(run(args, files, rows, shard_size(args.n, args.shard) if args.n else None))
+        return asyncio.run(run(args, files, rows, shard_size(args.n, args.shard) if args.n else None,
+                               input_record))
     finally:
         files.close()
 

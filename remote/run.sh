@@ -20,6 +20,7 @@ main() {
   local here
   here=$(cd "$(dirname "$0")" && pwd)
   cd "$dir" || exit 1
+  umask 077  # the log, exit code and every output: the run's user's alone, whatever tmux's umask
   trap : INT TERM
   export PYTHONUNBUFFERED=1
   bash "$here/with_env.sh" "$env_file" bash ./cmd </dev/null >>log 2>&1

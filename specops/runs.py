@@ -41,7 +41,8 @@ from .host import Session, quote
 from .inventory import Host
 from .service_spec import SERVICE, Layout
 
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")  # tmux forbids '.' and ':' in session names
+# tmux forbids '.' and ':' in session names; \Z, as $ would let a trailing newline through
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}\Z")
 
 # Shell helper shared by every remote snippet that asks tmux about a run: the pid of the live
 # pane of session $1 (the wrapper, leader of the run's process group), or nothing. A pane that
@@ -91,7 +92,8 @@ if [ ! -e "$d" ] && [ {resume} = yes ]; then exit 12; fi
 [ -x {python} ] || exit 14
 command -v tmux >/dev/null || exit 15
 {claim}
-mkdir -p "$d" && cd "$d" && rm -f exit_code manifest.json || exit 16
+umask 077  # a run's files (replies, errors, logs) are its user's alone
+mkdir -p "$d" && chmod 700 "$d" && cd "$d" && rm -f exit_code manifest.json || exit 16
 printf '%s\\n' {cmd} >cmd && printf '%s\\n' {meta} >meta.json || exit 16
 tmux kill-session -t "=$s" 2>/dev/null  # a finished session kept by remain-on-exit
 tmux new-session -d -s "$s" -c "$d" {pane}

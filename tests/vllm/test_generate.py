@@ -290,8 +290,11 @@ def test_truncated_rows_are_marked_or_dropped(vllm_server, tmp_path):
         assert record["truncated"] is True and len(record["turns"]) == 1
         assert record["turns"][0]["finish_reason"] == "length"
         assert record["messages"][-1]["reasoning"]  # cut while thinking: no answer yet
-    ok(generate("--endpoint", vllm_server.base_url, "--dataset", prompts, "--out",
-                tmp_path / "dropped", "--max-tokens", 3, "--drop-truncated"))
+    # Every row dropped: the run produced nothing, which fails it (exit 4), naming why.
+    result = generate("--endpoint", vllm_server.base_url, "--dataset", prompts, "--out",
+                      tmp_path / "dropped", "--max-tokens", 3, "--drop-truncated")
+    assert result.returncode == 4 and result.stderr.rstrip().endswith(
+        "commonest error (4 rows): truncated at --max-tokens (dropped)"), result.stderr
     assert jsonl(tmp_path / "dropped" / "data.jsonl") == []
     assert len(jsonl(tmp_path / "dropped" / "errors.jsonl")) == 4
     stats = json.loads((tmp_path / "dropped" / "stats.json").read_text())
@@ -328,8 +331,9 @@ def test_every_endpoint_dead_stops_cleanly_keeping_completed_rows(vllm_server, t
 def test_client_errors_are_recorded_at_once_and_retried_by_the_next_run(vllm_server, tmp_path):
     out, rows = tmp_path / "out", prompt_rows(3)
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    ok(generate("--endpoint", vllm_server.base_url, "--model", "no-such-model", "--dataset", prompts,
-                "--out", out, *LEAN))
+    failed = generate("--endpoint", vllm_server.base_url, "--model", "no-such-model", "--dataset", prompts,
+                      "--out", out, *LEAN)
+    assert failed.returncode == 4 and "commonest error (3 rows): HTTP 404" in failed.stderr  # nothing made
     errors = jsonl(out / "errors.jsonl")
     assert len(errors) == 3 and all(e["status"] == 404 and e["attempts"] == 1 for e in errors)
     ok(generate("--endpoint", vllm_server.base_url, "--dataset", prompts, "--out", out, *LEAN))
