@@ -46,6 +46,14 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a line break ends a directive or a command; none is ever data
 
 
+# vLLM's own environment, not the env file's: runs source that file too, and a run's dataset may be a
+# hub name (generate's default), which HF_HUB_OFFLINE would make unreachable. The inventory's `env`
+# (the env file) wins over these, for the service and the runs alike.
+SERVICE_ONLY = {
+    "HF_HUB_OFFLINE": "1",  # `model` is always a local path (inventory rule): never stall on the hub
+}
+
+
 @dataclass(frozen=True)
 class Policy:
     """How a supervisor treats vLLM; the same numbers go into the unit and the tmux script."""
@@ -142,7 +150,6 @@ def environment(host, secrets: dict[str, str], policy: Policy, extract: Extracti
     env = {
         "PYTHONUNBUFFERED": "1",  # or the log (and the progress display) lags by a buffer
         "VLLM_ENGINE_READY_TIMEOUT_S": str(policy.engine_ready_timeout_s),
-        "HF_HUB_OFFLINE": "1",  # `model` is always a local path (inventory rule): never stall on the hub
         "VLLM_NO_USAGE_STATS": "1",
     }
     if extract:
@@ -172,8 +179,9 @@ def render(host, *, workdir: str, user: str, venv_python: str, model: str,
     layout = Layout(workdir)
     argv = vllm_argv(host, venv_python=venv_python, model=model, extract=extract)
     env = environment(host, secrets, policy, extract)
-    values = dict(host=host.name, user=user, layout=layout, argv=argv,
-                  environment=env, policy=policy, served=host.served_model_name or model)
+    service_env = {name: value for name, value in SERVICE_ONLY.items() if name not in env}
+    values = dict(host=host.name, user=user, layout=layout, argv=argv, environment=env,
+                  service_env=service_env, policy=policy, served=host.served_model_name or model)
     check_values(values)
     return Rendered(argv, env, *(_jinja().get_template(name).render(values)
                                  for name in ("vllm.service.j2", "vllm.env.j2", "vllm-supervise.sh.j2")))
@@ -189,7 +197,8 @@ def _jinja() -> jinja2.Environment:
 
 
 LABELS = {"host": "host name", "user": "login user", "layout": "workdir", "served": "served model name",
-          "environment": "environment", "argv": "vLLM argument", "policy": "policy"}
+          "environment": "environment", "service_env": "service environment", "argv": "vLLM argument",
+          "policy": "policy"}
 
 
 def check_values(values: dict) -> None:

@@ -9,7 +9,7 @@ Install it as a host's "venv" with :func:`install_shim`. Knobs, from the environ
 inventory's `env`, so they travel through the rendered env file like any vLLM setting):
   STANDIN_LOAD_S     seconds of "loading" before it listens (default 1)
   STANDIN_DIE_AT_S   exit 1 this many seconds after starting (to test death detection)
-  STANDIN_RECORD     write {"argv", "pid", "has_api_key", "cwd"} here as JSON (never the key)
+  STANDIN_RECORD     write {"argv", "pid", "has_api_key", "cwd", "hf_hub_offline"} here as JSON (never the key)
   STANDIN_READY_FILE write time.time() here the moment /v1/models can answer
   STANDIN_DIED_FILE  write time.time() here just before dying on STANDIN_DIE_AT_S
 """
@@ -62,7 +62,8 @@ def main():
     key = os.environ.get("VLLM_API_KEY")
     if os.environ.get("STANDIN_RECORD"):
         Path(os.environ["STANDIN_RECORD"]).write_text(json.dumps(
-            {"argv": sys.argv[1:], "pid": os.getpid(), "has_api_key": bool(key), "cwd": os.getcwd()}))
+            {"argv": sys.argv[1:], "pid": os.getpid(), "has_api_key": bool(key), "cwd": os.getcwd(),
+             "hf_hub_offline": os.environ.get("HF_HUB_OFFLINE")}))
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     die_at = os.environ.get("STANDIN_DIE_AT_S")
     if die_at:

@@ -59,9 +59,18 @@ def test_unit_has_the_production_settings(tmp_path):
                  "KillMode=control-group", "LimitNOFILE=65536", f"EnvironmentFile={tmp_path}/service/vllm.env",
                  "User=root", "WantedBy=multi-user.target"):
         assert line in r.unit.splitlines(), line
-    for line in ("PYTHONUNBUFFERED='1'", "VLLM_ENGINE_READY_TIMEOUT_S='3600'", "HF_HUB_OFFLINE='1'",
+    for line in ("PYTHONUNBUFFERED='1'", "VLLM_ENGINE_READY_TIMEOUT_S='3600'",
                  "CUDA_VISIBLE_DEVICES='0,1,2,3'", "NCCL_DEBUG='WARN'"):
         assert line in r.env.splitlines(), line
+    # the service's alone: runs source the env file, and a run's dataset may be on the hub
+    assert "HF_HUB_OFFLINE" not in r.env and 'Environment="HF_HUB_OFFLINE=1"' in r.unit.splitlines()
+    assert "HF_HUB_OFFLINE=1" in r.script.splitlines()
+
+
+def test_the_inventorys_hf_hub_offline_goes_to_the_env_file_for_service_and_runs(tmp_path):
+    r = render_for(make_host(env={"HF_HUB_OFFLINE": "0"}), tmp_path)
+    assert "HF_HUB_OFFLINE='0'" in r.env.splitlines()
+    assert "HF_HUB_OFFLINE" not in r.unit and "HF_HUB_OFFLINE=1" not in r.script
 
 
 def test_argv_per_flavor_and_the_same_argv_in_unit_and_script(tmp_path):
