@@ -94,3 +94,21 @@ def test_a_run_id_with_a_line_break_is_not_a_run_id(run_id):
     with pytest.raises(SpecopsError, match="use letters, digits"):
         runs.check_run_id(run_id)
     assert jobs.is_run_id("gen-1")
+
+
+def test_the_run_wrapper_keeps_every_file_of_the_run_private(tmp_path):
+    import os
+    import stat
+    import subprocess
+
+    (tmp_path / "cmd").write_text("echo made >out.txt\n")
+    env = tmp_path / "vllm.env"
+    env.write_text("")
+    old = os.umask(0o022)  # a permissive tmux server's, as the wrapper may inherit
+    try:
+        subprocess.run(["bash", str(ROOT / "remote" / "run.sh"), str(tmp_path), sys.executable, str(env)],
+                       check=True, timeout=120)
+    finally:
+        os.umask(old)
+    for name in ("out.txt", "log", "exit_code", "manifest.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
