@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import fanout, transfer
+from . import fanout, transfer, untrusted
 from . import plan as plans
 from .errors import HostError, SpecopsError
 from .host import Session, quote
@@ -48,6 +48,7 @@ _PROBE = """
 d={dir}
 [ -f "$d/meta.json" ] || exit 12
 pid=$(live_pid {session}); printf '%s\\n' "${{pid:-0}}"
+printf '%s\\n' "$(head -c 32 "$d/exit_code" 2>/dev/null | tr -d '\\n')"
 cat "$d/meta.json"
 """
 
@@ -63,7 +64,11 @@ def pull(hosts: list[Host], run_id: str | None = None, dest: str = "artifacts", 
     run_id = check_run_id(run_id or newest_run(hosts))  # one read back from a host is checked the same
     outcomes = fanout.each(hosts, pull_host, run_id, dest)
     code = fanout.report(outcomes, out=out)
-    return max(code, merge_shards(Path(dest) / run_id, outcomes, out))
+    code = max(code, merge_shards(Path(dest) / run_id, outcomes, out))
+    ended_badly = [o for o in outcomes if o.ok and not o.row["state"].startswith(("succeeded", "running"))]
+    for o in ended_badly:  # a copy verified is not a run that worked: never let "ok" say so
+        print(f"{run_id} {o.row['state']} on {o.host.name}; its files are pulled for a look, not for use", file=out)
+    return max(code, 1 if ended_badly else 0)
 
 
 def pull_host(session: Session, run_id: str, dest: str) -> dict:
@@ -76,7 +81,8 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
         raise HostError(f"no run {run_id} on {name}")
     if not r.ok:
         raise HostError(f"{name}: cannot read run {run_id}: {r.stderr.strip()}")
-    pid, _, meta_text = r.stdout.partition("\n")
+    pid, _, rest = r.stdout.partition("\n")
+    code, _, meta_text = rest.partition("\n")
     shard = shard_of(meta_text, f"{name}: {run_id}/meta.json")
     local = Path(dest) / run_id / name
     pulled = transfer.pull_dir(session, d, str(local), exclude=manifest.HOST_ONLY)
@@ -94,12 +100,30 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
         verified = f"yes (re-fetched {', '.join(damaged)})"
     if problems:
         raise HostError(f"{name}: integrity check failed for {local}: {'; '.join(problems)}")
-    row = {"run": run_id, "shard": shard or "-", "method": pulled.method, "files": pulled.files,
-           "verified": verified}
+    row = {"run": run_id, "shard": shard or "-", "state": run_state(running, code, local),
+           "method": pulled.method, "files": pulled.files, "verified": verified}
     left = {} if running else manifest.read(str(local)).get("host_only")
     if isinstance(left, dict) and all(isinstance(left.get(k), int) for k in ("files", "bytes")) and left["files"]:
         row["left on host"] = f"{left['files']} state shards, {decimal_size(left['bytes'])}"
     return row
+
+
+def run_state(running: bool, code: str, local: Path) -> str:
+    """The run's own outcome, beside the copy's: "succeeded", "running", "lost", or "failed (exit N)"
+    with the run's one-line account of why (its stats.json's "failure", read from the copy)."""
+    code = code.strip()
+    exit_code = int(code) if code.lstrip("-").isdigit() and len(code) < 12 else None
+    if exit_code is None:
+        return "running" if running else "lost"
+    if exit_code == 0:
+        return "succeeded"
+    try:
+        stats = json.loads((local / "stats.json").read_bytes()) if (local / "stats.json").is_file() else None
+    except (OSError, ValueError):
+        stats = None
+    why = stats.get("failure") if isinstance(stats, dict) else None
+    why = untrusted.clean(" ".join(why.split())[:300], untrusted.known_secrets()) if isinstance(why, str) else ""
+    return f"failed (exit {exit_code})" + (f": {why}" if why else "")
 
 
 def shard_of(meta_text: str, what: str) -> str | None:

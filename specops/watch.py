@@ -54,8 +54,10 @@ fi
 for id in $ids; do
   d="$runs/$id"; started=$(stat -c %Y "$d/meta.json" 2>/dev/null) || continue  # gone since listed
   progress=$(tail -c 65536 "$d/log" 2>/dev/null | grep -ao 'specops-progress {{.*}}' | tail -n 1)
-  printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "$prefix-$id")" "$(cat "$d/exit_code" 2>/dev/null)" \\
-    "$started" "${{progress#specops-progress }}"
+  code=$(head -c 32 "$d/exit_code" 2>/dev/null)
+  why=; case $code in ''|0) ;; *) why=$(head -c 65536 "$d/stats.json" 2>/dev/null | base64 -w0);; esac
+  printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "$prefix-$id")" "$code" \\
+    "$started" "${{progress#specops-progress }}" "$why"
 done
 """
 
@@ -76,16 +78,30 @@ def host_status(session: Session, run_id: str | None = None, last: int = 10) -> 
             except ValueError:  # "[N/A]" (e.g. MIG): nothing to add up
                 pass
         elif kind == "run":
-            rid, pid, code, started, progress = (fields + [""] * 5)[:5]
-            exit_code = int(code) if code.lstrip("-").isdigit() else None
+            rid, pid, code, started, progress, why = (fields + [""] * 6)[:6]
+            exit_code = int(code) if code.strip().lstrip("-").isdigit() else None
             runs.append({"run": rid, "state": state(bool(pid), exit_code), "exit": exit_code,
-                         "age_s": now - int(started), "progress": _progress(progress)})
-    if any(r["progress"] for r in runs):  # a run's progress line is the host's text: no escapes, no secrets
+                         "age_s": now - int(started), "progress": _progress(progress), "why": failure_of(why)})
+    if any(r["progress"] or r["why"] for r in runs):  # the host's text: no escapes, no secrets
         secrets = untrusted.known_secrets(session)
         for r in runs:
             r["progress"] = _cleaned(r["progress"], secrets)
+            r["why"] = r["why"] and untrusted.clean(r["why"], secrets)
     runs.sort(key=lambda r: r["age_s"], reverse=True)
     return {"service": service_state(session), "gpu": describe_gpu_use(gpus), "runs": runs}
+
+
+def failure_of(encoded: str) -> str | None:
+    """A failed run's own account of why (its stats.json's "failure": one line), from the base64 the
+    status script sends; None when there is none or it is not what a run writes (the host's data)."""
+    try:
+        stats = json.loads(base64.b64decode(encoded, validate=True)) if encoded else None
+    except ValueError:
+        return None
+    why = stats.get("failure") if isinstance(stats, dict) else None
+    if not isinstance(why, str):
+        return None
+    return " ".join(why.split())[:300] or None
 
 
 def service_state(session: Session) -> str:
@@ -118,7 +134,8 @@ def status(hosts: list[Host], run_id: str | None = None, *, last: int = 10, as_j
         if found:
             fanout.print_table([{"host": name, "run": r["run"], "state": r["state"], "exit": r["exit"],
                                  "age": progress.duration(r["age_s"]),
-                                 "progress": progress.describe(r["progress"])[0]} for name, r in found], out=out)
+                                 "progress": r.get("why") or progress.describe(r["progress"])[0]}
+                                for name, r in found], out=out)
         if group_rows := across_hosts(found):
             fanout.print_table(group_rows, out=out)
     if run_id and not found and all(o.ok for o in outcomes):
