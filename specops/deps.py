@@ -8,8 +8,9 @@ The requirement files in ``requirements/`` are the one place dependencies are de
 from __future__ import annotations
 
 import json
+import sys
 
-from . import fanout, owned
+from . import fanout, owned, untrusted
 from .errors import HostError
 from .host import Session
 
@@ -31,7 +32,7 @@ def fix_commands(session: Session) -> list[list[str]]:
     return cmds
 
 
-def check(session: Session, *, fix: bool = False) -> dict:
+def check(session: Session, *, fix: bool = False, out=None) -> dict:
     """Create the venv if absent, check it, optionally fix it; HostError naming every problem."""
     code = f"{session.workdir}/code"
     if not session.run(["test", "-f", f"{code}/remote/check_deps.py"], check=False, timeout=30).ok:
@@ -44,7 +45,7 @@ def check(session: Session, *, fix: bool = False) -> dict:
     if not report["ok"] and fix:
         owned.claim(session, "venv")  # pip installs and uninstalls: only in a venv specops made
         for cmd in fix_commands(session):
-            session.run(cmd, timeout=PIP_TIMEOUT)
+            _pip(session, cmd, out)
         report = _report(session)
     if not report["ok"]:
         fixes = " && ".join(" ".join(c) for c in fix_commands(session))
@@ -54,6 +55,46 @@ def check(session: Session, *, fix: bool = False) -> dict:
     return {"packages": f"{len(report['packages'])} ok", "imports": ",".join(report["imports"]) or "-",
             "gpus": len(gpu.get("nvidia_smi") or []), "cuda": gpu.get("cuda_available"),
             "details": report["packages"]}
+
+
+def _pip(session: Session, cmd: list[str], out=None) -> None:
+    """Run one pip command with its output shown as it comes, one ``host: line`` each. On a pty: when
+    the connection drops (Ctrl-C here hangs it up, :func:`specops.host.hang_up_all`) the host sends
+    pip SIGHUP, so no install goes on there unwatched."""
+    lines = HostLines(session.host.name, out or sys.stderr)
+    try:
+        session.run(cmd, timeout=PIP_TIMEOUT, pty=True, hide=False, out_stream=lines)
+    finally:
+        lines.close()
+
+
+class HostLines:
+    """A file-like sink that prints a host's output a whole line at a time, prefixed with the host's
+    name (several hosts install at once) and cleaned (it is the host's text); a line a progress bar
+    redraws with carriage returns shows its last state only."""
+
+    def __init__(self, host: str, out):
+        self.host, self.out, self.partial = host, out, ""
+        self.secrets = untrusted.known_secrets()
+
+    def write(self, text: str) -> int:
+        *done, self.partial = (self.partial + text).split("\n")
+        for line in done:
+            self._emit(line)
+        return len(text)
+
+    def _emit(self, line: str) -> None:
+        shown = untrusted.clean(line, self.secrets).rstrip()
+        if shown:
+            print(f"{self.host}: {shown}", file=self.out, flush=True)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.partial:
+            self._emit(self.partial)
+        self.partial = ""
 
 
 def _report(session: Session) -> dict:

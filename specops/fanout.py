@@ -28,7 +28,7 @@ from rich.text import Text
 
 from . import untrusted
 from .errors import SpecopsError
-from .host import connect
+from .host import connect, hang_up_all
 from .inventory import Host
 
 
@@ -63,7 +63,13 @@ def each(hosts: list[Host], step: Callable[..., dict], *args, **kwargs) -> list[
             return Outcome(host, error=f"{host.name}: internal error: {type(e).__name__}: {e}", exit_code=1)
 
     with ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        return list(pool.map(one, range(len(hosts)), hosts))
+        try:
+            return list(pool.map(one, range(len(hosts)), hosts))
+        except KeyboardInterrupt:
+            # Ctrl-C reaches this thread only: the workers' commands end when their connections do
+            # (a pty command with SIGHUP on its host), instead of the pool waiting for them.
+            hang_up_all()
+            raise
 
 
 def report(outcomes: list[Outcome], *, as_json: bool = False, out=None) -> int:

@@ -103,11 +103,21 @@ class Session:
         except Exception as e:  # paramiko raises many types; each maps to one clear line
             raise HostError(self._explain_connect_error(e)) from None
         self._conn.transport.set_keepalive(KEEPALIVE_S)
+        with _OPEN_LOCK:
+            _OPEN.add(self)
         return self
 
     def close(self) -> None:
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
         if self._conn is not None:
             self._conn.close()
+
+    def hang_up(self) -> None:
+        """Drop the connection now, from any thread: a command blocked on it fails at once, and one
+        run with ``pty=True`` gets SIGHUP on the host (its terminal is gone), so nothing is left behind."""
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
 
     def _explain_connect_error(self, e: Exception) -> str:
         h = self.host
@@ -383,6 +393,18 @@ def _pump(client: socket.socket, channel: paramiko.Channel, stop: threading.Even
     finally:
         channel.close()
         client.close()
+
+
+_OPEN: set[Session] = set()  # remote sessions open now, for hang_up_all
+_OPEN_LOCK = threading.Lock()
+
+
+def hang_up_all() -> None:
+    """Hang up every open remote session (Ctrl-C: the steps running in other threads stop with it)."""
+    with _OPEN_LOCK:
+        sessions = list(_OPEN)
+    for session in sessions:
+        session.hang_up()
 
 
 def known_hosts_files(host: Host) -> list[str]:
