@@ -37,20 +37,29 @@ def is_hidden_matrix(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim == 2 and not name.startswith("lm_head")
 
 
+def muon_groups(named_params, muon_lr: float, adam_lr: float) -> list[dict]:
+    """The trainable parameters as Muon's group (hidden matrices, at muon_lr) and AdamW's (the rest)."""
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if is_hidden_matrix(n, p)], "lr": muon_lr, "muon": True},
+        {"params": [p for n, p in named if not is_hidden_matrix(n, p)], "lr": adam_lr, "muon": False},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Groups with ``muon=True`` step by Muon (nesterov momentum, orthogonalized, scaled by
     sqrt(max(1, rows/cols)) so a tall matrix's rows move as far as a square one's); the others by AdamW.
     Each group's ``lr`` is its own, and LambdaLR scales them all alike."""
 
-    def __init__(self, named_params, muon_lr: float, adam_lr: float, momentum: float = 0.95,
+    def __init__(self, params, muon_lr: float | None = None, adam_lr: float | None = None, momentum: float = 0.95,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
-        named = [(n, p) for n, p in named_params if p.requires_grad]
-        groups = [
-            {"params": [p for n, p in named if is_hidden_matrix(n, p)], "lr": muon_lr, "muon": True},
-            {"params": [p for n, p in named if not is_hidden_matrix(n, p)], "lr": adam_lr, "muon": False},
-        ]
-        super().__init__([g for g in groups if g["params"]],
-                         dict(momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay))
+        """params: named parameters, split here by muon_groups; or groups that say already whether they are
+        Muon's (ZeroRedundancyOptimizer hands each rank its share of the groups so)."""
+        params = list(params)
+        if params and not isinstance(params[0], dict):
+            params = muon_groups(params, muon_lr, adam_lr)
+        super().__init__(params, dict(momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self):

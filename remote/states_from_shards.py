@@ -19,12 +19,14 @@ directory and deletes each once its last epoch's batches are behind a checkpoint
 order is a pure function of the plan, the seed and the epochs, so `--resume` replays it.
 """
 import json
+import math
 import os
+import queue
+import threading
 import time
 from collections import OrderedDict
 
 import torch
-import torch.utils.data
 from safetensors import safe_open
 
 import states_dir as shards
@@ -34,6 +36,11 @@ from script import progress
 from target_states import TargetBatch
 
 OPEN_SHARDS = 64  # memory-mapped shard handles kept open
+# Batches of states the loader holds on the host, whatever else is configured: the one the step copies
+# from and the one read ahead. At Kimi width one rank's batch is GBs; a count of batches in flight that grew
+# with worker processes (each also crossing /dev/shm, then copied into pinned memory) exhausted a node's RAM.
+LOADER_BATCHES = 2
+READS = threading.Lock()  # shard handles are shared by the reader thread and the step's own reads (validation)
 PROGRESS_EVERY_S = 30.0
 NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
@@ -191,19 +198,23 @@ class ShardTargetStates:
             raise StatesError(payload["error"])
         got = payload["states"]
         B, T, _, H = got.shape
-        got = got.to(self.device, non_blocking=True).to(self.dtype)
+        got = got.to(self.device, non_blocking=True)
+        if got.is_cuda and payload["states"].is_pinned():  # the loader refills this buffer once the copy is done
+            payload["copied"] = torch.cuda.Event()
+            payload["copied"].record()
+        got = got.to(self.dtype)
         aux = got[:, :, self.aux_pos].reshape(B, T, len(self.aux_pos) * H)
         return TargetBatch(aux=aux, last=got[:, :, self.last_pos])
 
     def loader(self, batches: list, samples, workers: int, pin: bool):
-        """Yields (epoch, sample indexes, payload) for `batches` [(epoch, indexes)], read by `workers`
-        processes (0: in this thread) into pinned memory (pin) one batch per worker ahead of the step."""
-        from torch.utils.data import DataLoader
-
-        data = BatchReader(self, batches, samples)
-        return DataLoader(data, batch_size=None, shuffle=False, num_workers=workers, pin_memory=pin,
-                          prefetch_factor=2 if workers else None, persistent_workers=False)
-
+        """Yields (epoch, sample indexes, payload) for `batches` [(epoch, indexes)]. workers 0: each batch
+        read in this thread when asked for; else one reader thread reads the next batch while the step runs,
+        into LOADER_BATCHES reused buffers (pinned with pin): host memory is bounded by the batch, not by
+        how many read ahead. Raises StatesError when this host's free RAM cannot hold those buffers."""
+        if not workers:
+            return (batch + (read_batch(self, batch[1], width(samples, batch[1]), ids_of(samples, batch[1])),)
+                    for batch in batches)
+        return ReadAhead(self, batches, samples, pin)
     @torch.no_grad()
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         return self.head.logits(last)
@@ -227,41 +238,107 @@ class ShardTargetStates:
         return StreamSchedule(self, lengths, batch_tokens, seed, epochs)
 
 
-def read_batch(source: "ShardTargetStates", sample_index: list[int], width: int, expected_ids) -> dict:
-    """The stored states of a batch, right-padded to [B, width, n_layers, H] in the stored dtype; the
-    token ids in the shards are checked against the batch's. An error comes back as a message (a
-    DataLoader worker's exception would reach the user as a traceback)."""
+def width(samples, index: list[int]) -> int:
+    return max(len(samples[i].ids) for i in index)
+
+
+def ids_of(samples, index: list[int]) -> list[list[int]]:
+    return [samples[i].ids.tolist() for i in index]
+
+
+def read_batch(source: "ShardTargetStates", sample_index: list[int], width: int, expected_ids,
+               out: torch.Tensor | None = None) -> dict:
+    """The stored states of a batch, right-padded to [B, width, n_layers, H] in the stored dtype (in the
+    front of `out`, a flat buffer, where given); the token ids in the shards are checked against the
+    batch's. An error comes back as a message, for the step to raise in the training thread."""
     L, H = len(source.plan["layers"]), source.plan["hidden_size"]
     got = None
-    for row, s in enumerate(sample_index):
-        shard = source.shard(source.owner[s])
-        stored = shard.states(s)
-        if got is None:
-            got = torch.zeros(len(sample_index), width, L, H, dtype=stored.dtype)
-        n = stored.shape[0]
-        if shard.token_ids(s).tolist() != list(expected_ids[row][:n]) or n != len(expected_ids[row]):
-            return {"error": f"sample {s}: the tokens in {shard.path} differ from the batch's"}
-        got[row, :n] = stored
-    if source.stream:  # a streamed shard may be deleted once trained on: hold no handle past the batch
-        for k in list(source._open):
-            source._open.pop(k).close()
+    with READS:
+        for row, s in enumerate(sample_index):
+            shard = source.shard(source.owner[s])
+            stored = shard.states(s)
+            if got is None:
+                shape = (len(sample_index), width, L, H)
+                got = torch.zeros(shape, dtype=stored.dtype) if out is None else \
+                    out[: math.prod(shape)].view(shape).zero_()
+            n = stored.shape[0]
+            if shard.token_ids(s).tolist() != list(expected_ids[row][:n]) or n != len(expected_ids[row]):
+                return {"error": f"sample {s}: the tokens in {shard.path} differ from the batch's"}
+            got[row, :n] = stored
+        if source.stream:  # a streamed shard may be deleted once trained on: hold no handle past the batch
+            for k in list(source._open):
+                source._open.pop(k).close()
     return {"states": got}
 
 
-class BatchReader(torch.utils.data.Dataset):
-    """Batch n of a fixed schedule, read from the shards (in a DataLoader worker: its own handles)."""
+def loader_bytes(batches: list, samples, plan: dict) -> int:
+    """Host bytes the read-ahead loader holds: LOADER_BATCHES buffers as big as the schedule's largest batch."""
+    itemsize = shards.DTYPES[plan.get("dtype", "bf16")].itemsize
+    biggest = max((len(index) * width(samples, index) for _, index in batches), default=0)
+    return LOADER_BATCHES * biggest * len(plan["layers"]) * plan["hidden_size"] * itemsize
 
-    def __init__(self, source: "ShardTargetStates", batches: list, samples):
+
+def free_ram_bytes() -> int:
+    """RAM this host can still give (MemAvailable), or 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class ReadAhead:
+    """One reader thread filling LOADER_BATCHES reused buffers in schedule order; iterating yields
+    (epoch, sample indexes, payload). A buffer goes back to the reader when the step asks for the next
+    batch (and, on a GPU, once its copy to the device has finished)."""
+
+    def __init__(self, source: "ShardTargetStates", batches: list, samples, pin: bool):
         self.source, self.batches, self.samples = source, batches, samples
+        need = loader_bytes(batches, samples, source.plan)
+        free = free_ram_bytes()
+        if free and need > free:
+            raise StatesError(f"the --states loader needs {need / 1e9:.3g} GB of host RAM ({LOADER_BATCHES} batches of "
+                              f"states) and {free / 1e9:.3g} GB is free: lower --batch-tokens or free memory")
+        elements = need // LOADER_BATCHES // self._dtype().itemsize
+        self.free: queue.Queue = queue.Queue()
+        self.ready: queue.Queue = queue.Queue()
+        for _ in range(LOADER_BATCHES if batches else 0):
+            self.free.put(torch.empty(elements, dtype=self._dtype(), pin_memory=pin))
+        self.thread = threading.Thread(target=self._read, name="states-reader", daemon=True)
+        self.thread.start()
+
+    def _dtype(self) -> torch.dtype:
+        return shards.DTYPES[self.source.plan.get("dtype", "bf16")]
+
+    def _read(self):
+        for epoch, index in self.batches:
+            buffer = self.free.get()
+            try:
+                payload = read_batch(self.source, index, width(self.samples, index), ids_of(self.samples, index),
+                                     out=buffer)
+            except Exception as e:  # noqa: BLE001 - raised in the training thread, with its message
+                payload = {"error": f"reading the states of samples {index[:4]}...: {e}"}
+            self.ready.put((epoch, index, payload, buffer))
 
     def __len__(self):
         return len(self.batches)
 
-    def __getitem__(self, n):
-        epoch, index = self.batches[n]
-        ids = [self.samples[i].ids.tolist() for i in index]
-        width = max(len(x) for x in ids)
-        return epoch, index, read_batch(self.source, index, width, ids)
+    def __iter__(self):
+        held = None
+        for _ in self.batches:
+            epoch, index, payload, buffer = self.ready.get()
+            if held is not None:
+                self._give_back(*held)
+            held = (payload, buffer)
+            yield epoch, index, payload
+
+    def _give_back(self, payload: dict, buffer: torch.Tensor) -> None:
+        if payload.get("copied") is not None:
+            payload["copied"].synchronize()
+        self.free.put(buffer)
 
 
 class StreamSchedule:

@@ -9,8 +9,8 @@ first opens a TCP connection to the master: a refusal means the master's host an
 its torchrun listens, which is fine (torchrun retries); a timeout or an unreachable network is
 retried until --timeout, then it fails with one line naming the address (exit 2).
 
-It also sets GLOO_SOCKET_IFNAME (unless set) to the interface that routes to the master, so
-gloo's peers advertise an address the other nodes can reach, not the 127.0.1.1 that a host's
+It also sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (each unless set) to the interface that routes to
+the master, so gloo's and NCCL's peers advertise an address the other nodes can reach, not the 127.0.1.1 that a host's
 own name often resolves to. Then it replaces itself with CMD (torchrun).
 """
 import argparse
@@ -84,10 +84,12 @@ def main(argv=None):
                   f"{args.timeout:g}s ({why}); set the master's private_address in the inventory to an "
                   f"address this host can reach", file=sys.stderr, flush=True)
             return 2
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        name = interface_for(args.master_addr)
-        if name:
-            os.environ["GLOO_SOCKET_IFNAME"] = name
+    name = None  # NCCL's bootstrap picks an interface as gloo does, and can pick one other nodes cannot reach
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if variable not in os.environ:
+            name = name or interface_for(args.master_addr)
+            if name:
+                os.environ[variable] = name
     sys.stdout.flush()
     os.execvp(cmd[0], cmd)
 

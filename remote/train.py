@@ -18,11 +18,14 @@ data order), draft/ (config.json, model.safetensors, README.md). Prints a
 `specops-progress {json}` line every few seconds and at the end.
 """
 import argparse
+import datetime
 import json
 import math
 import os
 import random
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,7 +37,7 @@ import acceptance
 import held_out as held_out_data
 from chat_render import ChatRenderer, data_files, load_samples
 from draft_model import DraftConfig, Eagle3Draft, export
-from muon import MuonAdamW
+from muon import MuonAdamW, muon_groups
 from batching import cut_batches, held_out_rows, rank_batches, steps_in_epochs
 from states_from_shards import ShardTargetStates
 import train_plan
@@ -102,6 +105,9 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                     help="muon: Muon for the draft's hidden matrices at --muon-lr, AdamW for the rest (remote/muon.py)")
     ap.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (with --optimizer muon)")
+    ap.add_argument("--no-shard-optimizer", action="store_true",
+                    help="keep the whole optimizer state on every rank (default with several ranks: ZeRO-1, each "
+                         "rank keeps its share of the moments and steps its share of the weights)")
     ap.add_argument("--head-init", choices=["target", "random"], default="target",
                     help="the draft's final norm and lm_head start as the target's (default) or at random")
     ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps with a linear warmup")
@@ -121,6 +127,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-arg", action="append", default=[],
                     help="extra argument for remote/eval.py, e.g. --max-model-len=512 or "
                          "--vllm-arg=--gpu-memory-utilization=0.2; repeat")
+    ap.add_argument("--eval-timeout", type=float, default=1200, metavar="SECONDS",
+                    help="a vLLM measurement that takes longer is stopped and recorded as failed; training goes on "
+                         "and that checkpoint stays unmeasured (default 1200)")
     ap.add_argument("--eval-n", type=int, default=30, help="held-out prompts per vLLM measurement")
     ap.add_argument("--eval-k", type=int, default=3, help="num_speculative_tokens of that measurement")
     ap.add_argument("--eval-max-tokens", type=int, default=256,
@@ -140,8 +149,9 @@ def parse_args(argv=None):
     ap.add_argument("--include-truncated", action="store_true", help="train on rows that hit max_tokens too")
     ap.add_argument("--states", help="target states from vLLM's shards in this directory (remote/extract.py --out) "
                                      "instead of running the target; --target then only supplies its head")
-    ap.add_argument("--loader-workers", type=int, help="with --states: processes reading shards ahead "
-                                                        "(default: up to 4 per GPU process, 0 on one CPU)")
+    ap.add_argument("--loader-workers", type=int, help="with --states: 0 reads each batch in the step's own thread; "
+                                                        "more: one thread reads the next batch while the step runs, "
+                                                        "into 2 reused buffers (default: 1, 0 with one CPU per rank)")
     ap.add_argument("--stream", action="store_true", help="with --states: train on shards as extraction writes "
                                                           "them, deleting each after its last use")
     args = ap.parse_args(argv)
@@ -164,6 +174,8 @@ def parse_args(argv=None):
         ap.error("--draft-heads must be a multiple of --draft-kv-heads")
     if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
         ap.error("--steps/--epochs must be positive")
+    if not args.eval_timeout > 0:
+        ap.error("--eval-timeout must be positive seconds")
     if args.time_budget is not None and args.time_budget <= 0:
         ap.error("--time-budget must be positive seconds")
     if args.time_budget and args.stream:
@@ -226,6 +238,13 @@ def collate(samples, index: list[int], pad_id: int, device):
 # ---------------------------------------------------------------- objective
 
 
+def step_autocast(device, bf16: bool):
+    """The step's bf16 autocast, without its weight cache: a cached bf16 copy of a weight sums every TTT
+    step's and loss chunk's gradient contribution in bf16 before its one fp32 accumulate; uncached, each
+    use's contribution reaches the fp32 gradient on its own (tests/torch/test_bf16_gradients.py)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
+
+
 def simulated_acceptance(acc: list[float]) -> float:
     """1 (vLLM's bonus token) + expected accepted drafts in a chain: sum_j prod_{i<=j} acc_i."""
     total, run = 1.0, 1.0
@@ -263,28 +282,44 @@ def fingerprint(args, world: int, aux_ids, total_steps: int) -> dict:
     }  # AdamW runs leave the optimizer out, so checkpoints from before --optimizer still resume
 
 
-def rng_state() -> dict:
+def rng_state(device) -> dict:
+    """The generators this rank draws from: the CPU's, Python's, and its own GPU's alone (a resume may see
+    fewer GPUs than the run that saved, e.g. with CUDA_VISIBLE_DEVICES narrowed to one)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda_device"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
 
 
-def save_checkpoint(path, step, draft, opt, sched, vocab_ids, fp, metrics, best):
+def save_checkpoint(path, step, draft, opt_state, sched, vocab_ids, fp, metrics, best):
     tmp = path + ".tmp"
     torch.save({
-        "step": step, "draft": draft.trainable_state_dict(), "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(), "rng": rng_state(), "vocab_ids": vocab_ids.cpu(),
+        "step": step, "draft": draft.trainable_state_dict(), "optimizer": opt_state,
+        "scheduler": sched.state_dict(), "rng": rng_state(vocab_ids.device), "vocab_ids": vocab_ids.cpu(),
         "fingerprint": fp, "metrics": metrics, "best": best,
     }, tmp)
     os.replace(tmp, path)
+
+
+def read_checkpoint(path: str, fp: dict) -> tuple[dict | None, str | None]:
+    """(checkpoint, None), (None, None) when there is none, or (None, why it cannot be resumed)."""
+    if not os.path.exists(path):
+        return None, None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file: every rank refuses with this line
+        return None, f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    changed = [k for k in fp if ckpt["fingerprint"].get(k) != fp[k]]
+    if changed:
+        return None, f"cannot resume {path}: changed since the run started: {', '.join(changed)}"
+    return ckpt, None
 
 
 def truncate_metrics(path: str, step: int) -> None:
@@ -295,6 +330,32 @@ def truncate_metrics(path: str, step: int) -> None:
         keep = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
     with open(path, "w") as f:
         f.writelines(keep)
+
+
+def make_optimizer(args, draft, sharded: bool) -> torch.optim.Optimizer:
+    """AdamW, or Muon + AdamW; sharded: ZeRO-1, each rank keeping the moments of (and stepping) its share of
+    the parameters, then broadcasting them: the same update, 1/world of the state per rank."""
+    if args.optimizer == "muon":
+        groups, cls, defaults = muon_groups(draft.named_parameters(), args.muon_lr, args.lr), MuonAdamW, {}
+    else:
+        groups = [p for p in draft.parameters() if p.requires_grad]
+        cls, defaults = torch.optim.AdamW, {"lr": args.lr, "weight_decay": 0.0}
+    if not sharded:
+        return cls(groups, **defaults)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
+
+
+def optimizer_state(opt, writer_ranks: list[int]) -> dict | None:
+    """The whole optimizer state on each writer rank (a collective when sharded: every rank calls it), else None."""
+    if not hasattr(opt, "consolidate_state_dict"):
+        return opt.state_dict()
+    state = None
+    for r in writer_ranks:
+        opt.consolidate_state_dict(to=r)
+        if dist.get_rank() == r:
+            state = opt.state_dict()
+    return state
 
 
 def optimizer_card(args) -> str:
@@ -346,6 +407,26 @@ def replace_dir(new: str, dest: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def run_with_timeout(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
+    """(exit status, stdout, stderr) of cmd; status None when it ran past timeout and was killed with
+    everything it started (its own session: a vLLM it left behind would keep its GPU memory)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+        return None, stdout, stderr
+
+
+EVAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval.py")
+
+
 def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
     """remote/eval.py on this draft (greedy, no baseline): {"measured_al", "measured_delivered",
     "measured_per_position"}, or {"measured_error"} when the measurement failed (training goes on; that
@@ -354,7 +435,7 @@ def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
         torch.cuda.empty_cache()  # the measuring vLLM asks for free memory next to this process
     out = os.path.join(args.out, "evals", f"step-{step}")
     os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval.py"),
+    cmd = [sys.executable, EVAL_SCRIPT,
            "--target", args.target, "--draft", os.path.abspath(draft_dir), "--prompts", prompts,
            "--n", str(args.eval_n), "--k", str(args.eval_k), "--temperature", "0", "--no-baseline",
            "--max-tokens", str(args.eval_max_tokens),
@@ -363,12 +444,15 @@ def measure_in_vllm(args, draft_dir: str, prompts: str, step: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == EXPANDABLE_SET_BY_MAIN:
         env.pop("PYTORCH_CUDA_ALLOC_CONF")  # the trainer's allocator setting: vLLM's KV connectors refuse it
-    result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
+    returncode, stdout, stderr = run_with_timeout(cmd, env, args.eval_timeout)
     with open(os.path.join(out, "eval.log"), "w") as f:
-        f.write(result.stdout + result.stderr)
-    if result.returncode:
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        return {"measured_error": f"eval.py exit {result.returncode}: {lines[-1] if lines else ''} "
+        f.write(stdout + stderr)
+    if returncode is None:
+        return {"measured_error": f"eval.py did not finish within --eval-timeout {args.eval_timeout:g}s and was "
+                                  f"stopped (log: {out}/eval.log)"}
+    if returncode:
+        lines = (stderr or stdout).strip().splitlines()
+        return {"measured_error": f"eval.py exit {returncode}: {lines[-1] if lines else ''} "
                                   f"(log: {out}/eval.log)"}
     with open(os.path.join(out, "report.json")) as f:
         rep = json.load(f)
@@ -396,42 +480,106 @@ def make_plan(args, use_cuda: bool, device, world: int) -> dict | None:
         raise Refused(f"cannot plan: {args.target}/config.json has no {e}") from None
     if args.gpu_gb:
         gpu_gb = args.gpu_gb
-    elif use_cuda:
-        gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    elif use_cuda:  # what is free now: another process on this GPU (a vLLM, a stray rank) holds the rest
+        gpu_gb = torch.cuda.mem_get_info(device)[0] / 1e9
     elif args.plan:
         raise Refused("--plan on a machine without a GPU needs --gpu-gb (141 for an H200, 80 for an H100)")
     else:
         gpu_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9  # the CPU trains in RAM
     gpus = args.gpus or (world if launched_by_torchrun() else (torch.cuda.device_count() if use_cuda else 1)) or 1
     online = not args.states
+    cpu = not (use_cuda or args.plan)
     return train_plan.plan(config, shape=shape, gpus=gpus, gpu_gb=gpu_gb, ttt=args.ttt_steps,
                            batch_tokens=args.batch_tokens, max_len=args.max_len, online=online,
                            target_bytes=train_plan.target_weight_bytes(args.target, config, 2 if use_cuda or args.plan
                                                                        else 4) if online else 0,
-                           gpu_name=train_plan.gpu_name(gpu_gb), cpu=not (use_cuda or args.plan),
-                           ddp=gpus > 1 or launched_by_torchrun())
+                           gpu_name=train_plan.gpu_name(gpu_gb), cpu=cpu,
+                           ddp=gpus > 1 or launched_by_torchrun(), optimizer=args.optimizer,
+                           fp32=not cpu and args.dtype == "fp32",
+                           ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or min(gpus, 8),
+                           shard_optimizer=shards_optimizer(args, gpus))
 
 
 def loader_workers(args, world: int) -> int:
+    """0: the step reads its batch itself; 1: a reader thread reads the next one (train.py --loader-workers)."""
     if args.loader_workers is not None:
         return max(0, args.loader_workers)
-    per_process = (os.cpu_count() or 1) // max(1, world) - 1
-    return max(0, min(4, per_process))
+    return 1 if (os.cpu_count() or 1) // max(1, world) > 1 else 0
+
+
+def shards_optimizer(args, gpus: int) -> bool:
+    """ZeRO-1 (each rank keeps its 1/world of the optimizer's state) wherever there is more than one rank."""
+    return gpus > 1 and not args.no_shard_optimizer
+
+
+# ---------------------------------------------------------------- the group
+# Whatever a rank computes from its own machine (free memory, a checkpoint file, a clock) is agreed over the
+# group before it shapes the loop: ranks that disagree run different step counts and hang in a collective.
+
+
+def in_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def everyones(value) -> list:
+    """Every rank's `value`, in rank order ([value] outside a process group)."""
+    if not in_group():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def resolve_batch_tokens(args, memory_plan: dict) -> int:
-    """The plan's batch (auto: the largest that fits), kept in OUT/train_plan.json: a resumed auto run cuts the
-    batches the interrupted one cut, whatever GPU it resumes on."""
+    """The plan's batch (auto: the largest that fits on every rank: the smallest rank's), kept in
+    OUT/train_plan.json: a resumed auto run cuts the batches the interrupted one cut, whatever GPU it resumes on."""
     path = os.path.join(args.out, "train_plan.json")
     if args.batch_tokens == "auto" and args.resume and os.path.exists(path):
         with open(path) as f:
-            return json.load(f)["batch_tokens"]
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            local = json.load(f)["batch_tokens"]
+    else:
+        local = memory_plan["batch_tokens"]
+    agreed = min(everyones(local))
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not (args.resume and os.path.exists(path)):
         os.makedirs(args.out, exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            json.dump(memory_plan, f, indent=1)
+            json.dump({**memory_plan, "batch_tokens": agreed}, f, indent=1)
         os.replace(path + ".tmp", path)
-    return memory_plan["batch_tokens"]
+    return agreed
+
+
+def agree_steps(total_steps: int) -> None:
+    """Refuse unless every rank counts the same steps (before step 1: after it, a mismatch is a hang)."""
+    counts = everyones((socket.gethostname(), total_steps))
+    if len({n for _, n in counts}) > 1:
+        rank, (host, n) = next((r, c) for r, c in enumerate(counts) if c[1] != counts[0][1])
+        raise Refused(f"ranks disagree on the run's length: rank 0 counts {counts[0][1]} steps, rank {rank} on "
+                      f"{host} {n}: every node needs the same --data files and flags")
+
+
+def agree_start(local_step: int, local_error: str | None, ckpt_path: str) -> int:
+    """The step every rank resumes at: refuse (every rank, one line) when a rank could not read its
+    checkpoint or starts elsewhere than rank 0, naming that rank's node."""
+    seen = everyones((socket.gethostname(), local_step, local_error))
+    for rank, (host, _, error) in enumerate(seen):
+        if error:
+            raise Refused(f"node {host} (rank {rank}): {error}")
+    first = seen[0][1]
+    for rank, (host, step, _) in enumerate(seen):
+        if step != first:
+            have = f"its {ckpt_path} is at step {step}" if step else f"it has no {ckpt_path}"
+            raise Refused(f"cannot resume: node {host} (rank {rank}) would start at step {step} where rank 0 "
+                          f"resumes at {first} ({have}): give every node the same checkpoint, or start afresh")
+    return first
+
+
+def group_max(value: float, device) -> float:
+    """The group's largest `value` (a rank's clock becomes the slowest rank's), on the model's device."""
+    if not in_group():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 # ---------------------------------------------------------------- main
@@ -457,7 +605,9 @@ def main(argv=None):
                       "e.g. --eval-arg=--vllm-arg=--gpu-memory-utilization=0.2")
     distributed = launched_by_torchrun()
     if distributed:  # even at world size 1: a one-GPU machine then runs the NCCL path the 8-GPU job runs
-        dist.init_process_group(process_group_backend(use_cuda))
+        # Ranks wait for rank 0's vLLM measurement in a collective: its timeout must outlast --eval-timeout.
+        wait = max(1800.0, args.eval_timeout + 600) if args.eval_vllm else 1800.0
+        dist.init_process_group(process_group_backend(use_cuda), timeout=datetime.timedelta(seconds=wait))
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)
     dtype = torch.bfloat16 if bf16 else torch.float32
     writer = local_rank == 0  # one writer per host: multi-node runs keep a full copy on every node
@@ -549,16 +699,18 @@ def main(argv=None):
         total_steps = steps_in_epochs(train_lengths, args.batch_tokens, args.seed, world, args.epochs or 1)
     if total_steps < 1:
         raise Refused(f"{len(samples)} samples make fewer batches than ranks ({world}): lower --batch-tokens")
+    agree_steps(total_steps)
+    sharded = distributed and shards_optimizer(args, world)
     fp = fingerprint(args, world, target.aux_layer_ids, total_steps)
+    if sharded:  # a checkpoint keeps the gathered whole state either way; say how it was trained
+        fp["shard_optimizer"] = True
     if args.states:
         fp.update(states=os.path.abspath(args.states), stream=args.stream)
 
     # Draft.
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if args.resume and os.path.exists(ckpt_path) else None
+    ckpt, why_not = read_checkpoint(ckpt_path, fp) if args.resume else (None, None)
+    start_step = agree_start(ckpt["step"] if ckpt else 0, why_not, ckpt_path)
     if ckpt is not None:
-        changed = [k for k in fp if ckpt["fingerprint"].get(k) != fp[k]]
-        if changed:
-            raise Refused(f"cannot resume {ckpt_path}: changed since the run started: {', '.join(changed)}")
         vocab_ids = ckpt["vocab_ids"]
     else:
         vocab_ids = draft_vocab([samples[i] for i in train_index], V, min(args.draft_vocab, V))
@@ -580,10 +732,8 @@ def main(argv=None):
             draft.norm.weight.copy_(target.normed(torch.ones(1, 1, H, device=device, dtype=head_vd.dtype)).flatten())
             draft.lm_head.weight.copy_(head_vd)
 
-    if args.optimizer == "muon":
-        opt = MuonAdamW(draft.named_parameters(), muon_lr=args.muon_lr, adam_lr=args.lr)
-    else:
-        opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    opt = make_optimizer(args, draft, sharded)
+    writer_ranks = [r for r, w in enumerate(everyones(writer)) if w]  # each needs the whole optimizer state
     warmup = math.ceil(args.warmup * total_steps)
     clock = {"train_s": 0.0}  # the steps' own seconds so far, which --time-budget's schedule runs on
 
@@ -598,15 +748,15 @@ def main(argv=None):
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    start_step, metrics, best = 0, {}, None  # best: the evaluated step draft/ holds, and its score
+    metrics, best = {}, None  # best: the evaluated step draft/ holds, and its score
     if ckpt is not None:
         missing, unexpected = draft.load_state_dict(ckpt["draft"], strict=False)
         if unexpected or set(missing) != {"embed_tokens.weight", "draft_to_target"}:
             raise Refused(f"{ckpt_path}: draft tensors do not match (missing {missing}, unexpected {unexpected})")
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
-        set_rng_state(ckpt["rng"])
-        start_step, metrics, best = ckpt["step"], ckpt["metrics"], ckpt.get("best")
+        set_rng_state(ckpt["rng"], device)
+        metrics, best = ckpt["metrics"], ckpt.get("best")
         if writer:
             truncate_metrics(metrics_path, start_step)
             truncate_metrics(os.path.join(args.out, "evals.jsonl"), start_step)
@@ -653,7 +803,7 @@ def main(argv=None):
         # (demo: 0.24 -> 0.16 s for the steps, 0.152 -> 0.140 s more for the loss chunks).
         objective = SoftCrossEntropy(draft, target_vd, target_top, loss_mask, vocab_ids, in_vocab, args.ttt_decay,
                                      recompute=use_cuda, target_top_p=target_top_p)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with step_autocast(device, bf16):
             per_step = net(input_ids, states.aux, args.ttt_steps, objective, checkpoint=use_cuda,
                            used=objective.used_slots(args.ttt_steps))
         return objective, per_step, input_ids, attention, loss_mask
@@ -753,7 +903,10 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip)
         opt.step()
 
+        loss_ids = input_ids[loss_mask.bool()]  # how much of the batch's loss tokens the draft vocabulary covers
         totals = torch.cat([loss.detach().float().view(1), correct.float(), counted.float(),
+                            in_vocab[loss_ids].float().sum().view(1), torch.tensor([float(loss_ids.numel())],
+                                                                                   device=device),
                             attention.sum().float().view(1), torch.tensor([float(len(index))], device=device)])
         if distributed:
             dist.all_reduce(totals)  # on the model's device: the group's NCCL side refuses CPU tensors
@@ -764,14 +917,12 @@ def main(argv=None):
         if distributed:
             dist.all_reduce(chains)
         acc = (totals[1 : 1 + k] / totals[1 + k : 1 + 2 * k].clamp(min=1)).tolist()
+        covered, loss_tokens = totals[-4].item(), totals[-3].item()
         tokens, batch_samples = int(totals[-2]), int(totals[-1])
         tokens_seen += tokens
-        step_s = time.monotonic() - step_t0
+        # The slowest rank's step: every rank's records and its --time-budget stop then agree.
+        step_s = group_max(time.monotonic() - step_t0, device)
         train_s += step_s
-        if distributed and args.time_budget:  # every rank stops at the same step: the slowest one's clock
-            clock_s = torch.tensor([train_s], dtype=torch.float64, device=device)
-            dist.all_reduce(clock_s, op=dist.ReduceOp.MAX)
-            train_s = clock_s.item()
         clock["train_s"] = train_s
         sched.step()
         last = step + 1 == total_steps or bool(args.time_budget and train_s >= args.time_budget)
@@ -782,8 +933,7 @@ def main(argv=None):
                    "sim_al_indep": round(simulated_acceptance(acc), 4),
                    "tokens_per_s": round(tokens / step_s, 1), "train_s": round(train_s, 2),
                    "lr": sched.get_last_lr()[0], "tokens": tokens, "samples": batch_samples}
-        loss_ids = input_ids[loss_mask.bool()]  # how much of this batch's loss tokens the draft vocabulary covers
-        metrics["vocab_coverage"] = round(in_vocab[loss_ids].float().sum().item() / max(1, loss_ids.numel()), 4)
+        metrics["vocab_coverage"] = round(covered / max(1.0, loss_tokens), 4)
         evaluated = bool(val_index) and (last or (args.eval_every and (step + 1) % args.eval_every == 0))
         if evaluated:
             metrics.update(evaluate(step + 1, train_s))
@@ -804,10 +954,12 @@ def main(argv=None):
             if writer:
                 report.refresh(args.out, "train")
         shard_done = stream is not None and stream.checkpoint_due(step + 1)  # its shard may go after a save
-        if writer and ((step + 1) % args.save_every == 0 or last or shard_done or evaluated):
-            save_checkpoint(ckpt_path, step + 1, draft, opt, sched, vocab_ids, fp, metrics, best)
-            if stream:
-                stream.saved(step + 1)
+        if (step + 1) % args.save_every == 0 or last or shard_done or evaluated:  # alike on every rank
+            opt_state = optimizer_state(opt, writer_ranks)
+            if writer:
+                save_checkpoint(ckpt_path, step + 1, draft, opt_state, sched, vocab_ids, fp, metrics, best)
+                if stream:
+                    stream.saved(step + 1)
         final_step = step + 1
         if last:
             break

@@ -26,8 +26,14 @@ import os
 from dataclasses import asdict, dataclass
 
 GIB = 2**30
+LOADER_BATCHES = 2  # as states_from_shards.py (which imports torch; this module does not)
 BACKWARD_FACTOR = 1.0  # one step's peak while its backward runs / the saved tensors counted below (CPU, fp32)
-RESERVE_GB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation
+# Memory a GPU's free figure at start does not leave to the step: this process's CUDA context and
+# kernels (~0.5-1 GB), NCCL's communicator buffers (grow with ranks and channels: ~1-2 GB at 8 ranks),
+# and what the caching allocator holds but cannot hand out. A plan figure until bench/gpu_check.sh's
+# `reserve` row measures it (reserved - allocated at the real-width step, plus the context) on the lent GPU;
+# the plan subtracts it from the memory free when the run starts (train.py), not from the card's total.
+RESERVE_GB = 3.0
 # Measured on an H200 (bench/gpu_check.py real-step: Kimi width, TTT 7, bf16 autocast, 8/16/31 x 4096 tokens):
 # peak torch.cuda.max_memory_allocated grows 0.981 MB per token where the tensor count below gives 0.810.
 # Which bf16-autocast tensors the count misses is not pinned down yet, so the count is scaled, not guessed at.
@@ -122,15 +128,45 @@ def step_activation_bytes(s: DraftShape, tokens: int, ttt: int, act: int = 2, st
     return int(max(step_phase, target_phase))
 
 
+def optimizer_state_bytes(shape: DraftShape, optimizer: str = "adamw") -> int:
+    """fp32 state of the optimizer: AdamW's two moments per parameter; Muon's one momentum per hidden matrix
+    parameter (fc, attention, MLP), AdamW's two for the rest (norms, lm_head)."""
+    P = shape.trainable_params()
+    if optimizer != "muon":
+        return 2 * 4 * P
+    rest = shape.draft_vocab * shape.hidden + 4 * shape.hidden  # lm_head, the norms
+    return 4 * (P - rest) + 2 * 4 * rest
+
+
+def loader_bytes(shape: DraftShape, tokens: int, stored: int = 2) -> int:
+    """Host RAM the --states loader holds per rank: LOADER_BATCHES (states_from_shards.py) batches of the
+    stored states (aux + last layer, bf16) at `tokens` padded tokens."""
+    return LOADER_BATCHES * tokens * (shape.aux + 1) * shape.hidden * stored
+
+
+def dtype_refusal(shape: DraftShape, fp32_on_gpu: bool) -> str | None:
+    """fp32 attention with fewer kv heads than heads gets neither of SDPA's lean CUDA kernels (flash takes
+    bf16/fp16, memory-efficient has no GQA): the math kernel keeps [B, heads, T, T] fp32 scores per call."""
+    if fp32_on_gpu and shape.kv_heads < shape.heads:
+        return (f"--dtype fp32 on CUDA with {shape.heads} heads over {shape.kv_heads} kv heads falls to SDPA's math "
+                "kernel ([batch, heads, T, T] fp32 scores per call, not planned): use --dtype bf16 (or auto), or "
+                "--draft-kv-heads equal to --draft-heads")
+    return None
+
+
 def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int, batch_tokens, max_len: int,
          online: bool, target_bytes: int = 0, gpu_name: str = "default", cpu: bool = False,
-         ddp: bool | None = None) -> dict:
-    """The plan as a dict (the JSON line); batch_tokens: an int, or "auto" for the largest that fits."""
-    act = 4 if cpu else 2
+         ddp: bool | None = None, optimizer: str = "adamw", fp32: bool = False, ranks_per_node: int | None = None,
+         shard_optimizer: bool = False) -> dict:
+    """The plan as a dict (the JSON line); batch_tokens: an int, or "auto" for the largest that fits.
+    gpu_gb: memory per GPU the run may use (train.py: what is free at start). shard_optimizer: ZeRO-1
+    over `gpus` ranks. fp32: fp32 activations on a GPU."""
+    act = 4 if cpu or fp32 else 2
     P = shape.trainable_params()
-    weights = P * 4 + P * act * (not cpu)  # fp32 master + autocast's bf16 copies
+    weights = P * 4 + P * 2 * (not cpu and not fp32)  # fp32 master + autocast's bf16 copies
     ddp = gpus > 1 if ddp is None else ddp  # DDP (torchrun, even with one process) keeps its own gradient buckets
-    optimizer = P * 4 * 2 + P * 4 + (P * 4 if ddp else 0)  # Adam moments, grads, DDP buckets
+    moments = optimizer_state_bytes(shape, optimizer) / (gpus if shard_optimizer else 1)
+    optimizer_bytes = moments + P * 4 + (P * 4 if ddp else 0)  # the optimizer's state, grads, DDP buckets
     frozen = shape.vocab * shape.hidden * act  # embedding
     if online:
         frozen_what = "whole target (online)"
@@ -139,7 +175,7 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
         frozen_what = "embedding + final norm + lm_head (--states)"
         frozen += shape.vocab * shape.hidden * act + shape.draft_vocab * shape.hidden * act
     budget = gpu_gb * 1e9 - RESERVE_GB * 1e9
-    fixed = weights + optimizer + frozen
+    fixed = weights + optimizer_bytes + frozen
     factor = 1.0 if cpu else CUDA_ACTIVATION_FACTOR
     recompute = not cpu  # train.py recomputes TTT steps in backward on a GPU only (see there)
 
@@ -163,14 +199,17 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
         largest = max(max_len, lo // 256 * 256)  # rounded to 256 tokens, never below the one sample that fits
     chosen = (min(largest, CPU_AUTO_BATCH) if cpu else largest) if batch_tokens == "auto" else int(batch_tokens)
     tokens = max(chosen, max_len)  # a sample longer than the batch is a batch of its own
-    ok = chosen > 0 and fits(tokens)
+    wrong_dtype = None if cpu else dtype_refusal(shape, fp32)
+    ok = chosen > 0 and fits(tokens) and not wrong_dtype
+    per_node = ranks_per_node or min(gpus, 8)
     peak = fixed + activations(tokens)
     tflops = ASSUMED_TFLOPS.get(gpu_name, ASSUMED_TFLOPS["default"])
     flops = step_flops_per_token(shape, ttt, max_len)
     return {
         "fits": ok, "gpus": gpus, "gpu_gb": gpu_gb, "draft": asdict(shape), "trainable_params": P,
         "ttt_steps": ttt, "max_len": max_len, "recompute": recompute,
-        "weights_gb": round(weights / 1e9, 2), "optimizer_gb": round(optimizer / 1e9, 2),
+        "weights_gb": round(weights / 1e9, 2), "optimizer_gb": round(optimizer_bytes / 1e9, 2),
+        "optimizer": optimizer, "shard_optimizer": shard_optimizer,
         "frozen_gb": round(frozen / 1e9, 2), "frozen": frozen_what,
         "activation_bytes_per_token": round(per_token), "reserve_gb": RESERVE_GB,
         "activation_margin": ACTIVATION_MARGIN,
@@ -178,7 +217,11 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
         "peak_gb": round(peak / 1e9, 2),
         "assumed_tflops_per_gpu": tflops, "flops_per_token": round(flops),
         "tokens_per_s": round(gpus * tflops * 1e12 / flops),
-        "reason": None if ok else refusal(largest, chosen, max_len, fixed, budget, target_bytes, online),
+        "loader_host_gb_per_rank": round(loader_bytes(shape, tokens) / 1e9, 2) if not online else 0.0,
+        "loader_host_gb_per_node": round(per_node * loader_bytes(shape, tokens) / 1e9, 2) if not online else 0.0,
+        "ranks_per_node": per_node,
+        "reason": None if ok else wrong_dtype or refusal(largest, chosen, max_len, fixed, budget, target_bytes,
+                                                          online),
     }
 
 
@@ -211,12 +254,15 @@ def table(p: dict) -> str:
         ("draft", f"H {d['hidden']}, {d['heads']} heads x {d['head_dim']} ({d['kv_heads']} kv), MLP "
                   f"{d['intermediate']}, Vd {d['draft_vocab']}: {p['trainable_params'] / 1e9:.2f}B trainable"),
         ("weights (fp32 + bf16 copy)", f"{p['weights_gb']:.1f} GB"),
-        ("grads + AdamW (+ DDP buckets)", f"{p['optimizer_gb']:.1f} GB"),
+        ("grads + " + ("Muon/AdamW" if p["optimizer"] == "muon" else "AdamW")
+         + (" (sharded over ranks)" if p["shard_optimizer"] else "") + " (+ DDP buckets)", f"{p['optimizer_gb']:.1f} GB"),
         ("frozen: " + p["frozen"], f"{p['frozen_gb']:.1f} GB"),
         ("activations per token", f"{p['activation_bytes_per_token'] / 1e6:.3f} MB (TTT {p['ttt_steps']} steps)"),
         ("batch tokens per GPU", f"{p['batch_tokens']} (largest that fits: {p['largest_batch_tokens']})"),
         ("peak per GPU", f"{p['peak_gb']:.1f} of {p['gpu_gb']:g} GB ({p['reserve_gb']:g} GB reserved, batch chosen "
                          f"with {round(100 * (p['activation_margin'] - 1))} % headroom on activations)"),
+        ("--states loader host RAM", f"{p['loader_host_gb_per_rank']:.1f} GB per rank, "
+                                     f"{p['loader_host_gb_per_node']:.1f} GB per node of {p['ranks_per_node']}"),
         ("tokens/s", f"{p['tokens_per_s']} on {p['gpus']} GPUs at an assumed "
                      f"{p['assumed_tflops_per_gpu']:g} TFLOP/s each"),
         ("fits", "yes" if p["fits"] else f"NO: {p['reason']}"),
