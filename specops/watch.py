@@ -33,6 +33,7 @@ from .runs import LIVE_PID, check_run_id, run_dir, runs_dir, state, tmux_session
 from .service_spec import Layout
 
 STATUS_TIMEOUT = 30
+DISK_FULL = "disk full on the host: free space there, then continue it with --resume"
 POLL_S = 1.0
 CHUNK = 4 << 20  # most log bytes fetched per poll
 PLAIN_PROGRESS_EVERY = 30  # seconds between a host's progress lines when the output is not a terminal
@@ -56,6 +57,7 @@ for id in $ids; do
   progress=$(tail -c 65536 "$d/log" 2>/dev/null | grep -ao 'specops-progress {{.*}}' | tail -n 1)
   code=$(head -c 32 "$d/exit_code" 2>/dev/null)
   why=; case $code in ''|0) ;; *) why=$(head -c 65536 "$d/stats.json" 2>/dev/null | base64 -w0);; esac
+  [ -e "$d/disk_full" ] && why=$(printf '%s' {disk_full} | base64 -w0)  # remote/run.sh: the disk filled up
   printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "$prefix-$id")" "$code" \\
     "$started" "${{progress#specops-progress }}" "$why"
 done
@@ -64,6 +66,7 @@ done
 def host_status(session: Session, run_id: str | None = None, last: int = 10) -> dict:
     """One host's service state, GPU use and runs (the named one, else the newest + all live ones)."""
     script = _STATUS.format(runs=quote(runs_dir(session)), named=quote(run_id or ""), last=int(last),
+                            disk_full=quote(json.dumps({"failure": DISK_FULL})),
                             prefix=quote(Layout(session.workdir).prefix))
     out = session.sh(LIVE_PID + script, timeout=STATUS_TIMEOUT).stdout
     now, gpus, runs = 0, [], []
