@@ -332,6 +332,11 @@ def truncate_metrics(path: str, step: int) -> None:
         f.writelines(keep)
 
 
+def data_parallel(draft) -> torch.nn.Module:
+    """DDP whose gradients are views into its all-reduce buckets: one copy of the gradients, not two."""
+    return torch.nn.parallel.DistributedDataParallel(draft, gradient_as_bucket_view=True)
+
+
 def make_optimizer(args, draft, sharded: bool) -> torch.optim.Optimizer:
     """AdamW, or Muon + AdamW; sharded: ZeRO-1, each rank keeping the moments of (and stepping) its share of
     the parameters, then broadcasting them: the same update, 1/world of the state per rank."""
@@ -494,7 +499,7 @@ def make_plan(args, use_cuda: bool, device, world: int) -> dict | None:
                            target_bytes=train_plan.target_weight_bytes(args.target, config, 2 if use_cuda or args.plan
                                                                        else 4) if online else 0,
                            gpu_name=train_plan.gpu_name(gpu_gb), cpu=cpu,
-                           ddp=gpus > 1 or launched_by_torchrun(), optimizer=args.optimizer,
+                           optimizer=args.optimizer,
                            fp32=not cpu and args.dtype == "fp32",
                            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or min(gpus, 8),
                            shard_optimizer=shards_optimizer(args, gpus))
@@ -761,7 +766,7 @@ def main(argv=None):
             truncate_metrics(metrics_path, start_step)
             truncate_metrics(os.path.join(args.out, "evals.jsonl"), start_step)
         progress(stage="resume", step=start_step, steps=total_steps)
-    model = torch.nn.parallel.DistributedDataParallel(draft) if distributed else draft
+    model = data_parallel(draft) if distributed else draft
 
     # Loop.
     if stream:

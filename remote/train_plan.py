@@ -2,8 +2,9 @@
 
     python remote/train.py --plan --target DIR [--gpu-gb 141] [--gpus 8] [--batch-tokens N|auto]
 
-Per GPU: the trainable draft (fp32 master weights, gradients, AdamW moments, DDP's gradient
-buckets, autocast's bf16 weight copies), the frozen tensors (the target's embedding, and its
+Per GPU: the trainable draft (fp32 master weights, gradients, which DDP's all-reduce buckets hold
+(gradient_as_bucket_view), the optimizer's state, sharded over the ranks by ZeRO-1, autocast's bf16
+weight copies), the frozen tensors (the target's embedding, and its
 final norm + lm_head for the loss: the shard path loads those alone; the online path the
 whole target), and the activations of one step, which grow with the batch's tokens.
 
@@ -156,7 +157,7 @@ def dtype_refusal(shape: DraftShape, fp32_on_gpu: bool) -> str | None:
 
 def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int, batch_tokens, max_len: int,
          online: bool, target_bytes: int = 0, gpu_name: str = "default", cpu: bool = False,
-         ddp: bool | None = None, optimizer: str = "adamw", fp32: bool = False, ranks_per_node: int | None = None,
+         optimizer: str = "adamw", fp32: bool = False, ranks_per_node: int | None = None,
          shard_optimizer: bool = False) -> dict:
     """The plan as a dict (the JSON line); batch_tokens: an int, or "auto" for the largest that fits.
     gpu_gb: memory per GPU the run may use (train.py: what is free at start). shard_optimizer: ZeRO-1
@@ -164,9 +165,8 @@ def plan(config: dict, *, shape: DraftShape, gpus: int, gpu_gb: float, ttt: int,
     act = 4 if cpu or fp32 else 2
     P = shape.trainable_params()
     weights = P * 4 + P * 2 * (not cpu and not fp32)  # fp32 master + autocast's bf16 copies
-    ddp = gpus > 1 if ddp is None else ddp  # DDP (torchrun, even with one process) keeps its own gradient buckets
     moments = optimizer_state_bytes(shape, optimizer) / (gpus if shard_optimizer else 1)
-    optimizer_bytes = moments + P * 4 + (P * 4 if ddp else 0)  # the optimizer's state, grads, DDP buckets
+    optimizer_bytes = moments + P * 4  # the optimizer's state, grads (DDP's buckets: train.py makes them the grads)
     frozen = shape.vocab * shape.hidden * act  # embedding
     if online:
         frozen_what = "whole target (online)"
@@ -255,7 +255,7 @@ def table(p: dict) -> str:
                   f"{d['intermediate']}, Vd {d['draft_vocab']}: {p['trainable_params'] / 1e9:.2f}B trainable"),
         ("weights (fp32 + bf16 copy)", f"{p['weights_gb']:.1f} GB"),
         ("grads + " + ("Muon/AdamW" if p["optimizer"] == "muon" else "AdamW")
-         + (" (sharded over ranks)" if p["shard_optimizer"] else "") + " (+ DDP buckets)", f"{p['optimizer_gb']:.1f} GB"),
+         + (" (sharded over ranks)" if p["shard_optimizer"] else ""), f"{p['optimizer_gb']:.1f} GB"),
         ("frozen: " + p["frozen"], f"{p['frozen_gb']:.1f} GB"),
         ("activations per token", f"{p['activation_bytes_per_token'] / 1e6:.3f} MB (TTT {p['ttt_steps']} steps)"),
         ("batch tokens per GPU", f"{p['batch_tokens']} (largest that fits: {p['largest_batch_tokens']})"),

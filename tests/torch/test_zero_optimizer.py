@@ -38,7 +38,7 @@ def train_both_ways(rank, world, optimizer, ckpt):
         draft = Eagle3Draft(c, embed, vocab_ids)
         if start is not None:
             draft.load_state_dict(start)
-        model = torch.nn.parallel.DistributedDataParallel(draft)
+        model = train.data_parallel(draft)
         opt = train.make_optimizer(args, draft, sharded)
         if state is not None:
             opt.load_state_dict(state)
