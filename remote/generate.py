@@ -54,6 +54,7 @@ from conversations import SHAPES, shape_of, short
 from datasets_io import (DatasetError, RowError, UnreadableRow, given_id, id_type, open_rows, prompt_chunks,
                          row_id, row_messages, shard_size, take_shard)
 from endpoints import EndpointPool, Failure, backoff_s, classify
+import layout
 import report
 from run_files import LONE_SURROGATE, RunDirError, RunFiles, Unwritable, read_input, record_bytes
 from script import PROGRESS_EVERY_S, RedactingStream, Secrets, progress, shard_spec
@@ -81,6 +82,9 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", type=positive_int, default=64,
                     help="requests in flight per endpoint")
     ap.add_argument("--max-tokens", type=positive_int, default=8192)
+    ap.add_argument("--context-tokens", type=positive_int,
+                    help="the served model's max_model_len, where known: a --max-tokens that does not fit below it "
+                         "is not sent, and vLLM gives each answer what its prompt leaves of the context")
     ap.add_argument("--temperature", type=float, help="default: the server's (generation_config)")
     ap.add_argument("--top-p", type=float, help="default: the server's (generation_config)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
@@ -98,7 +102,7 @@ def parse_args(argv=None):
     ap.add_argument("--api-key-env", default="VLLM_API_KEY", metavar="VAR",
                     help="environment variable holding the API key (never pass the key itself)")
     ap.add_argument("--drop-truncated", action="store_true",
-                    help="keep rows cut by --max-tokens out of data.jsonl (they go to errors.jsonl)")
+                    help=f"keep rows cut by --max-tokens out of {layout.ROWS} (they go to {layout.ERRORS})")
     ap.add_argument("--min-success", type=share, default=0.5, metavar="SHARE",
                     help="fail (exit 4) when less than this share of the rows is in data.jsonl at the "
                          "end (0 to 1; default 0.5)")
@@ -132,7 +136,8 @@ def shard_arg(text):
 
 def sampling_params(args):
     """The parameters sent with every request, as recorded in each record's `params`."""
-    params = {"max_tokens": args.max_tokens}
+    fits = args.context_tokens is None or args.max_tokens < args.context_tokens  # else every request is a 400
+    params = {"max_tokens": args.max_tokens} if fits else {}
     if args.temperature is not None:
         params["temperature"] = args.temperature
     if args.top_p is not None:
@@ -626,7 +631,7 @@ def input_of(args):
 
     A resume (or a plain re-run into the directory) reads the dataset and split the run recorded,
     unless given again; another dataset would append rows the run never had, so it is refused."""
-    recorded = read_input(args.out) if not args.check else None
+    recorded = read_input(args.out)  # --check too: a resume's launch checks the dataset the run will read
     args.dataset = args.dataset or (recorded or {}).get("dataset") or DEFAULT_DATASET
     args.split = args.split or (recorded or {}).get("split") or DEFAULT_SPLIT
     record = {"dataset": dataset_identity(args.dataset), "split": args.split}
@@ -645,8 +650,8 @@ def main(argv=None):
     # Everything the log gets passes here: an error body that quotes the API key is shown redacted.
     sys.stdout, sys.stderr = RedactingStream(sys.stdout, secrets), RedactingStream(sys.stderr, secrets)
     os.umask(0o077)  # what this run writes (report.html too) is its user's alone
-    if args.resume and not os.path.exists(os.path.join(args.out, "data.jsonl")):
-        return fail(f"--resume: {args.out} holds no data.jsonl to resume")
+    if args.resume and not os.path.exists(os.path.join(args.out, layout.ROWS)):
+        return fail(f"--resume: {args.out} holds no {layout.ROWS} to resume")
     input_record, refusal = input_of(args)
     if refusal:
         return fail(refusal)
@@ -656,13 +661,16 @@ def main(argv=None):
         if args.check:
             if refusal := shape_refusal(args.dataset, list(itertools.islice(rows, READ_BATCH))):
                 return fail(refusal)
+            if args.n and (found := sum(1 for _ in itertools.islice(open_rows(args.dataset, args.split), args.n))) < args.n:
+                # said at launch, not discovered in the run's stats: a short dataset is a surprise to the user
+                print(f"generate: note: the dataset has {found} rows: --n {args.n} takes all {found}", flush=True)
             return asyncio.run(check_endpoints(args))
         files = RunFiles(args.out, secrets)
     except (DatasetError, RunDirError) as e:
         return fail(e)
     files.write_input(input_record)
     if files.torn_bytes:
-        print(f"generate: cut off a torn last line of data.jsonl ({files.torn_bytes} bytes)",
+        print(f"generate: cut off a torn last line of {layout.ROWS} ({files.torn_bytes} bytes)",
               file=sys.stderr, flush=True)
     # The imports leave ~1M long-lived objects; without this each full GC pass rescans them all,
     # a pause long enough to bunch up hundreds of requests.

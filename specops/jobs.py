@@ -15,17 +15,18 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import deploy, fanout, group, pull, runs, serve, urls, watch
+from . import deploy, fanout, group, pull, runs, serve, untrusted, urls, watch
 from . import plan as plans
 from .errors import SpecopsError
 from .host import Session, connect, quote
 from .service_spec import Layout
+from .shared import layout
 
 TORCHRUN_PORT = 29517
 
 
 def code(session: Session, rel: str) -> str:
-    return f"{session.workdir}/code/{rel}"
+    return layout.code_file(session.workdir, rel)
 
 
 def script(session: Session, name: str) -> list[str]:
@@ -75,7 +76,11 @@ def generate_argv(session: Session, *, n=None, dataset=None, out=".", part=None,
     so it wins over one passed after ``--``)."""
     a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session)]
     a += (["--dataset", dataset_arg(session, dataset)] if dataset else []) + (["--n", str(n)] if n else [])
+    a += ["--context-tokens", str(session.host.max_model_len)] if session.host.max_model_len else []
     return script(session, "generate.py") + a + ["--out", out, *extra] + (["--shard", part] if part else [])
+
+
+NOTE = "generate: note: "  # a line remote/generate.py --check prints for the user to read at launch
 
 
 def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=False, extra=(), on=None,
@@ -84,13 +89,18 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
 
     def preflight(session: Session) -> dict:
         # like the run itself, read the key from the service's env file (never a command line)
-        argv = generate_argv(session, n=n, dataset=dataset, out="/nonexistent", extra=["--check"])
+        # a resume without --dataset checks the dataset the run recorded (its input.json), as the run reads it
+        where = runs.run_dir(session, runs.check_run_id(name)) if resume and name else "/nonexistent"
+        argv = generate_argv(session, n=n, dataset=dataset, out=where, extra=["--check"])
         env_file = Layout(session.workdir).env_file
         r = session.sh(shlex.join(["bash", code(session, "remote/with_env.sh"), env_file, *argv]), check=False,
                        timeout=300)
         if not r.ok:
             why = (r.stderr.strip() or r.stdout.strip() or f"exit {r.exit_code}").splitlines()[-1]
             raise SpecopsError(f"{session.host.name}: not ready to generate: {why}")
+        notes = [line.removeprefix(NOTE) for line in r.stdout.splitlines() if line.startswith(NOTE)]
+        for note in notes[:1]:  # said once per host, at launch (a short dataset: --n takes all of it)
+            print(f"{session.host.name}: {untrusted.clean(note)[:300]}", file=out or sys.stdout, flush=True)
         return {}
 
     if resume and len(hosts) > 1:  # the group's recorded plan; rows of hosts that do not answer go to those that do
@@ -154,7 +164,7 @@ def extract_argv(session: Session, *, data, layers=None, scratch_gb=None, stream
     a = ["--endpoint", endpoint_url(session), "--model", serve.served_name(session),
          "--storage", Layout(session.workdir).states_dir, "--target", model_path(session), "--out", "."]
     for d in data:
-        a += ["--data", run_output(session, d, "data.jsonl")]
+        a += ["--data", run_output(session, d, layout.ROWS)]
     a += (["--layers", layers] if layers else []) + (["--scratch-gb", str(scratch_gb)] if scratch_gb else [])
     return script(session, "extract.py") + a + (["--stream"] if stream else []) + trust_remote_code(session) \
         + list(extra)
@@ -190,7 +200,7 @@ def train_argv(session: Session, index: int, count: int, *, data, nproc: int, gr
     a = ["--target", model_path(session), "--out", "."]
     for d in data:
         a += ["--data", group.shipped_path(session, d) if grouped and is_run_id(d)
-              else run_output(session, d, "data.jsonl")]
+              else run_output(session, d, layout.ROWS)]
     if states:
         a += ["--states", run_output(session, states, ".")] + (["--stream"] if stream else [])
     a += (["--steps", str(steps)] if steps else []) + (["--epochs", str(epochs)] if epochs else [])
@@ -269,7 +279,7 @@ def train_preflight(session: Session, *, data, states=None, grouped: bool = Fals
     target = model_path(session)
     wanted = [("-f", f"{target}/config.json", None)]
     wanted += [("-f", group.shipped_path(session, d) if grouped and is_run_id(d)
-                else run_output(session, d, "data.jsonl"), d) for d in data]
+                else run_output(session, d, layout.ROWS), d) for d in data]
     wanted += [("-d", run_output(session, states, "."), states)] if states else []
     script = "".join(f"[ {test} {quote(path)} ] || echo {i}\n" for i, (test, path, _) in enumerate(wanted))
     r = session.sh(script, check=False, timeout=60)
@@ -297,8 +307,8 @@ def _missing(test: str, path: str, given: str | None, states: str | None) -> str
 _SUCCEEDED_GENERATE = """
 cd {runs} 2>/dev/null || exit 0
 for d in */; do d=${{d%/}}
-  [ "$(cat "$d/exit_code" 2>/dev/null)" = 0 ] && grep -qF '"kind": "generate"' "$d/meta.json" 2>/dev/null &&
-    printf '%s %s\\n' "$(stat -c %Y "$d/exit_code")" "$d"
+  [ "$(cat "$d/{L.EXIT_CODE}" 2>/dev/null)" = 0 ] && grep -qF '"kind": "generate"' "$d/{L.META}" 2>/dev/null &&
+    printf '%s %s\\n' "$(stat -c %Y "$d/{L.EXIT_CODE}")" "$d"
 done
 """
 
@@ -306,12 +316,12 @@ done
 def newest_generate_run(host, doing: str, out=None) -> str:
     """The data of a bare `inv train` (or extract): the host's newest generate run that succeeded, said at launch."""
     with connect(host) as session:
-        listed = session.sh(_SUCCEEDED_GENERATE.format(runs=quote(runs.runs_dir(session))), timeout=60).stdout
+        listed = session.sh(_SUCCEEDED_GENERATE.format(L=layout, runs=quote(runs.runs_dir(session))), timeout=60).stdout
     found = [line.split(" ", 1) for line in listed.splitlines() if " " in line]
     found = [(int(t), rid) for t, rid in found if t.isdigit() and is_run_id(rid)]
     if not found:
         raise SpecopsError(f"{host.name}: no finished generate run to use: run `inv generate` first, or pass "
-                           f"--data RUN (a generate run id) or a data.jsonl path", exit_code=2)
+                           f"--data RUN (a generate run id) or a {layout.ROWS} path", exit_code=2)
     newest = max(found)[1]
     print(f"{doing} {newest}, the newest finished generate run on {host.name} (--data RUN picks another)",
           file=out or sys.stdout, flush=True)
@@ -352,7 +362,7 @@ def eval_argv(session: Session, *, draft, prompts="examples/prompts.jsonl", n=10
     """remote/eval.py's command; its servers are started like the host's own (eval_server_args)."""
     return script(session, "eval.py") + [
         "--target", model_path(session), "--draft", run_output(session, draft, "draft"),
-        "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k), "--json", "report.json",
+        "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k), "--json", layout.REPORT_JSON,
         *eval_server_args(session.host), *extra]
 
 
@@ -371,7 +381,7 @@ def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, name
     rc = max(rc, pull.pull(hosts, run_id, dest=dest, out=out))
     reports = {}
     for host in hosts:
-        path = Path(dest) / run_id / host.name / "report.json"
+        path = Path(dest) / run_id / host.name / layout.REPORT_JSON
         if path.exists():
             reports[host.name] = json.loads(path.read_text())
     fanout.print_table([{"host": h, "acceptance_length": r.get("acceptance_length"),

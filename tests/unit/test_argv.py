@@ -36,6 +36,22 @@ def test_generate_gets_its_shard_last_and_a_shipped_file_from_the_deployed_code(
     assert after(jobs.generate_argv(session(), dataset="~/rows.jsonl"), "--dataset") == "/home/ml/rows.jsonl"
 
 
+def test_generate_is_told_the_served_context_and_leaves_a_max_tokens_that_cannot_fit_to_vllm():
+    """`inv generate --n 10000` on a 512-token host: 8192 max tokens would be a 400 for every row."""
+    import sys
+    from tests.helpers.generate_cli import ROOT
+    sys.path.insert(0, str(ROOT / "remote"))
+    from generate import parse_args, sampling_params
+
+    argv = jobs.generate_argv(session(max_model_len=512), n=10000)
+    assert after(argv, "--context-tokens") == "512"
+    assert "--context-tokens" not in jobs.generate_argv(session(), n=10)  # unknown: vLLM's own limit holds
+    common = ["--endpoint", "http://x", "--out", "/o"]
+    assert "max_tokens" not in sampling_params(parse_args([*common, "--context-tokens", "512"]))
+    assert sampling_params(parse_args([*common, "--context-tokens", "512", "--max-tokens", "384"]))["max_tokens"] == 384
+    assert sampling_params(parse_args([*common]))["max_tokens"] == 8192
+
+
 def test_extract_reads_a_run_by_id_and_a_path_as_given():
     argv = jobs.extract_argv(session(vllm_args=["--trust-remote-code"]), data=["gen-1", "/x/data.jsonl"],
                              layers="2,30,58", stream=True)

@@ -1,6 +1,8 @@
-"""`inv serve --wait` with a real vLLM serving the tiny model under tmux, on a network-namespace host, then
-`inv generate` and `inv pull` against it (the stand-in's lifecycle tests: tests/host/test_serve.py)."""
+"""The design card's four commands, exactly as it writes them (`inv deploy`, `inv serve --wait`,
+`inv generate --n 10000`, `inv train`), with a real vLLM serving the tiny model under tmux on a
+network-namespace host, then `inv pull` (the stand-in's lifecycle tests: tests/host/test_serve.py)."""
 import json
+import re
 import subprocess
 import time
 
@@ -28,8 +30,11 @@ def test_real_vllm_under_tmux(tmp_path, netns_trio, tiny_model, api_key):
     path = tmux_inventory(tmp_path, node, workdir, model="models/tiny", **common)
     port = inventory_port(path)
     try:
+        # the card's words: the inventory's one group is where a bare task acts
+        deployed = inv("deploy", inventory=path, timeout=300)
+        assert deployed.returncode == 0 and node.name in deployed.stdout, outputs(deployed)
         started = time.monotonic()
-        served = inv("serve", "--on", node.name, "--wait", "--timeout", "300", inventory=path, timeout=400)
+        served = inv("serve", "--wait", inventory=path, timeout=400)
         assert served.returncode == 0, outputs(served)
         assert "tiny" in served.stdout and "512" in served.stdout and "ready_in" in served.stdout
         assert PHASE.search(served.stderr), served.stderr
@@ -37,25 +42,37 @@ def test_real_vllm_under_tmux(tmp_path, netns_trio, tiny_model, api_key):
         # the key reached vLLM through the env file: without it, /v1/models is refused
         assert host_sh(node, f"/usr/bin/python3 - http://127.0.0.1:{port}/v1/models", HOST_GET).strip() == "401"
 
-        status = inv("serve", "--on", node.name, "--status", "--json", inventory=path)
+        status = inv("serve", "--status", "--json", inventory=path)
         row = json.loads(status.stdout)[0]  # model and max_model_len come from /v1/models, asked with the key
         assert row["state"] == "active (running)" and row["model"] == "tiny" and row["health"] == 200
         assert row["max_model_len"] == 512 and isinstance(row["running"], int)
         logs = inv("serve", "--on", node.name, "--logs", "--lines", "400", inventory=path)
         assert "Starting vLLM server" in logs.stdout
 
-        # `inv generate` end to end against this host's own vLLM (key from the env file), then `inv pull`
-        assert inv("deploy", "--on", node.name, "--no-deps", inventory=path).returncode == 0
-        gen = inv("generate", "--on", node.name, "-n", "12", "--dataset", "examples/prompts.jsonl", "--name",
-                  "gen-e2e", "--follow", "--", "--max-tokens", "300", inventory=path, timeout=600)
+        # `inv generate --n 10000` end to end against this host's own vLLM (key from the env file), on a
+        # 12-row dataset (the hub's default is out of reach here): the launch says it takes all 12
+        host_sh(node, f"head -n 12 {REPO}/examples/prompts.jsonl > '{workdir}/twelve.jsonl'")
+        gen = inv("generate", "--n", "10000", "--dataset", f"{workdir}/twelve.jsonl", inventory=path, timeout=300)
         assert gen.returncode == 0, outputs(gen)
-        pulled = inv("pull", "--on", node.name, "--run", "gen-e2e", "--dest", tmp_path / "artifacts", inventory=path)
+        assert "12 rows" in gen.stdout and "--n 10000" in gen.stdout, outputs(gen)
+        gen_id = re.search(r"\b(generate-\d{8}-\d{6})\b", gen.stdout).group(1)
+        assert inv("logs", gen_id, "--follow", inventory=path, timeout=600).returncode == 0
+        pulled = inv("pull", "--run", gen_id, "--dest", tmp_path / "artifacts", inventory=path)
         assert pulled.returncode == 0, outputs(pulled)
-        data = tmp_path / "artifacts" / "gen-e2e" / node.name / "data.jsonl"
+        data = tmp_path / "artifacts" / gen_id / node.name / "data.jsonl"
         records = [json.loads(line) for line in data.read_text().splitlines()]
         assert len({r["id"] for r in records}) == len(records) == 12
         answers = [m for r in records for m in r["messages"] if m["role"] == "assistant"]
         assert answers and all(m.get("reasoning") and m.get("content") for m in answers)
+
+        # a bare `inv train` trains on the newest finished generate run, and says which
+        trained = inv("train", inventory=path, timeout=120)
+        assert trained.returncode == 0, outputs(trained)
+        assert f"training on {gen_id}" in trained.stdout, outputs(trained)
+        train_id = re.search(r"\b(train-\d{8}-\d{6})\b", trained.stdout).group(1)
+        followed = inv("logs", train_id, "--follow", inventory=path, timeout=900)
+        assert followed.returncode == 0, outputs(followed)
+        assert host_sh(node, f"test -f '{workdir}/runs/{train_id}/draft/config.json' && echo yes").strip() == "yes"
 
         assert host_sh(node, f"stat -c '%a %U' '{workdir}/service/vllm.env'").strip() == "600 root"
         assert api_key not in host_sh(node, "ps -eo args")
