@@ -7,6 +7,7 @@ import specops.serve
 import specops.tunnel
 from specops import demo as demo_mod, facts, fanout, group, inventory as inventory_mod, jobs, reports, runs, watch
 from specops.cli import HOST_HELP, remainder, select_hosts, task
+from specops.shared import layout
 
 
 @task(help={**HOST_HELP, "json": "print JSON instead of a table"})
@@ -16,7 +17,7 @@ def hosts(c, on=None, inventory=None, json=False):
 
 
 @task(help={**HOST_HELP, "dry_run": "list what would change, change nothing",
-            "delete": "remove stale files inside <workdir>/code (never runs/ or data/)",
+            "delete": f"remove stale files inside <workdir>/{layout.CODE} (never {layout.RUNS}/ or {layout.DATA}/)",
             "deps": "check the host's venv afterwards (--no-deps to skip)"})
 def deploy(c, on=None, inventory=None, dry_run=False, delete=True, deps=True):
     """Sync remote/, templates/, requirements/, examples/ to <workdir>/code (rsync; SFTP fallback)."""
@@ -114,12 +115,12 @@ def generate(c, n: int = 0, on=None, inventory=None, dataset=None, name=None, re
 
 
 @task(iterable=["data"],
-      help={**HOST_HELP, **RUN_NAME_HELP, "data": "generate run id (or data.jsonl path on the host); repeatable",
+      help={**HOST_HELP, **RUN_NAME_HELP, "data": f"generate run id (or {layout.ROWS} path on the host); repeatable",
             "steps": "optimizer steps", "epochs": "passes over the data (default 1)",
             "gpus": "torchrun processes per host (default: the inventory's `gpus`, else every GPU nvidia-smi lists)",
             "plan": "print the memory/speed plan on each host (its model's config.json, no weights) and exit",
             "eval_every": "every N steps score the held-out rows and, where a vLLM fits beside training, measure "
-                          "acceptance in it; the best checkpoint becomes draft/",
+                          f"acceptance in it; the best checkpoint becomes {layout.DRAFT}/",
             "states": "extract run id (or shard directory on the host): train from vLLM's states, not the model",
             "stream": "with --states: consume shards while the extraction writes them, deleting each after use",
             "rendezvous_timeout": "group: seconds a node tries to reach the master before failing",
@@ -140,7 +141,7 @@ def train(c, data=None, on=None, inventory=None, steps: int = None, epochs: floa
 
 
 @task(iterable=["data"],
-      help={**HOST_HELP, **RUN_NAME_HELP, "data": "generate run id (or data.jsonl path on the host); repeatable",
+      help={**HOST_HELP, **RUN_NAME_HELP, "data": f"generate run id (or {layout.ROWS} path on the host); repeatable",
             "layers": "aux layer ids a,b,c in vLLM's convention (default: the trainer's); as for serve --extract",
             "scratch_gb": "disk budget for the shards in GB: refused up front if the states need more",
             "stream": "a `train --states RUN --stream` consumes the shards; pause while the budget is full"})

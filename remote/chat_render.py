@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import layout
 from conversations import conversation
 from script import PROGRESS_EVERY_S, progress
 
@@ -235,11 +236,11 @@ def data_files(paths: list[str]) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            main = os.path.join(path, "data.jsonl")
+            main = os.path.join(path, layout.ROWS)
             found = [main] if os.path.exists(main) else sorted(
                 os.path.join(path, f) for f in os.listdir(path) if f.endswith(".jsonl"))
             if not found:
-                raise ValueError(f"{path}: no data.jsonl or *.jsonl inside")
+                raise ValueError(f"{path}: no {layout.ROWS} or *.jsonl inside")
             files += found
         elif os.path.isfile(path):
             files.append(path)

@@ -44,6 +44,7 @@ import urllib.request
 
 import torch
 
+import layout
 import states_dir as shards
 from chat_render import ChatRenderer, data_files, load_samples
 from target_states import check_aux_layer_ids, default_aux_layer_ids
@@ -64,8 +65,8 @@ def parse_args(argv=None):
     source.add_argument("--target", help="target model directory (offline vllm.LLM unless --endpoint)")
     ap.add_argument("--model", help="with --endpoint: the served model id (default: the only one listed)")
     ap.add_argument("--storage", help="with --endpoint: the server's shared_storage_path (inv serve --extract: "
-                    "<workdir>/service/hidden_states); request files named outside it are refused")
-    ap.add_argument("--data", action="append", help="data.jsonl, messages jsonl, or a directory")
+                    f"<workdir>/{layout.SERVICE}/{layout.HIDDEN_STATES}); request files named outside it are refused")
+    ap.add_argument("--data", action="append", help=f"{layout.ROWS}, messages jsonl, or a directory")
     ap.add_argument("--out", help="directory for plan.json, index.json and the shards")
     ap.add_argument("--layers", help="aux layer ids a,b,c in vLLM's convention (default: the trainer's)")
     ap.add_argument("--max-len", type=int, default=4096, help="tokens per sample (as train.py --max-len)")

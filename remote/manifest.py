@@ -19,7 +19,9 @@ import json
 import os
 import sys
 
-NAME = "manifest.json"
+import layout
+
+NAME = layout.MANIFEST
 # An extract run's target-state shards: terabytes for a large target, read where they lie by
 # `train --states`, and cheaper to recompute than to hash or copy home.
 HOST_ONLY = ("shard-*.safetensors", "shard-*.safetensors.tmp")

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+import layout
+
 REFRESH_EVERY_S = 300
 KINDS = ("generate", "train", "eval", "extract")
 
@@ -137,10 +139,10 @@ def size(n) -> str:
 # ---------------------------------------------------------------- generate
 
 def generate_page(run_dir: str, page: Page, source=None) -> None:
-    stats = read_json(os.path.join(run_dir, "stats.json"), {})
-    errors = sum(1 for _ in read_jsonl(os.path.join(run_dir, "errors.jsonl")))
+    stats = read_json(os.path.join(run_dir, layout.STATS), {})
+    errors = sum(1 for _ in read_jsonl(os.path.join(run_dir, layout.ERRORS)))
     reasoning, answer, finish, ends, rows, truncated = [], [], {}, {}, 0, 0
-    for rec in read_jsonl(os.path.join(run_dir, "data.jsonl")):
+    for rec in read_jsonl(os.path.join(run_dir, layout.ROWS)):
         rows += 1
         truncated += bool(rec.get("truncated"))
         for turn in rec.get("turns") or []:
@@ -158,7 +160,7 @@ def generate_page(run_dir: str, page: Page, source=None) -> None:
                 ends.setdefault(str(turn.get("endpoint")), []).append((turn["ended_at"], done))
     r = stats.get("rows", {})
     page.table([["outcome", stats.get("outcome", "running")], ["rows done", rows],
-                ["rows failed (errors.jsonl)", errors], ["rows truncated (kept)", truncated],
+                [f"rows failed ({layout.ERRORS})", errors], ["rows truncated (kept)", truncated],
                 ["rows in the shard", r.get("total")], ["wall time", f"{stats['wall_s']:.0f} s" if num(stats.get("wall_s")) else None],
                 ["rows/s", stats.get("rows_s")], ["output tokens/s", stats.get("out_tok_s")],
                 ["failed attempts (retried)", (stats.get("requests") or {}).get("failed_attempts")]])
@@ -205,20 +207,20 @@ def generate_page(run_dir: str, page: Page, source=None) -> None:
 # ---------------------------------------------------------------- train
 
 def train_page(run_dir: str, page: Page, source=None) -> None:
-    rows = [m for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if num(m.get("step"))]
+    rows = [m for m in read_jsonl(os.path.join(run_dir, layout.METRICS)) if num(m.get("step"))]
     if not rows:
-        page.note("No training step recorded yet (metrics.jsonl is empty).")
+        page.note(f"No training step recorded yet ({layout.METRICS} is empty).")
         return
     last = rows[-1]
     accs = sorted((k for k in last if k.startswith("acc_") and k[4:].isdigit()), key=lambda k: int(k[4:]))
     rates = [m["tokens_per_s"] for m in rows if num(m.get("tokens_per_s"))]
-    evals = [e for e in read_jsonl(os.path.join(run_dir, "evals.jsonl")) if num(e.get("step"))]
+    evals = [e for e in read_jsonl(os.path.join(run_dir, layout.EVALS)) if num(e.get("step"))]
     kept = [e for e in evals if e.get("kept")]
     best = kept[-1] if kept else {}
     page.table([["steps", last["step"]], ["loss", last.get("loss")],
                 ["accuracy per position", " ".join(f"{last[k]:.3f}" for k in accs)],
                 ["simulated acceptance length (this step's batch)", last.get("sim_al")],
-                ["draft/ is the checkpoint of step", best.get("step", last["step"])],
+                [f"{layout.DRAFT}/ is the checkpoint of step", best.get("step", last["step"])],
                 ["its predicted acceptance length (held-out rows)", best.get("val_sim_al")],
                 ["its acceptance length measured in vLLM", best.get("measured_al")],
                 ["the tokens a verification step delivered there (stops trimmed)", best.get("measured_delivered")],
@@ -284,9 +286,9 @@ def smooth(values):
 # ---------------------------------------------------------------- eval
 
 def eval_page(run_dir: str, page: Page, source=None) -> None:
-    rep = read_json(source or os.path.join(run_dir, "report.json"))
+    rep = read_json(source or os.path.join(run_dir, layout.REPORT_JSON))
     if not isinstance(rep, dict) or not rep.get("runs"):
-        page.note("No measurement yet (report.json is missing).")
+        page.note(f"No measurement yet ({layout.REPORT_JSON} is missing).")
         return
     runs = rep["runs"]
     page.table([[str(r.get("temperature")), r.get("acceptance_length"), r.get("delivered_length"),
@@ -384,14 +386,14 @@ def heading(kind: str, run_dir: str, meta: dict, when: str) -> tuple[str, str]:
 def write(run_dir: str, kind: str | None = None, source: str | None = None) -> str:
     """Draw the run's report into RUN_DIR/report.html (replaced atomically); returns its path.
     ``source``: eval's JSON report when it is not RUN_DIR/report.json."""
-    meta = read_json(os.path.join(run_dir, "meta.json"), {})
+    meta = read_json(os.path.join(run_dir, layout.META), {})
     kind = kind or meta.get("kind")
     if kind not in PAGES:
         raise ValueError(f"no report for a run of kind {kind!r} (one of {', '.join(KINDS)})")
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     page = Page(*heading(kind, run_dir, meta, when))
     PAGES[kind](run_dir, page, source)
-    path = os.path.join(run_dir, "report.html")
+    path = os.path.join(run_dir, layout.REPORT_HTML)
     with open(path + ".tmp", "w") as f:
         f.write(page.render())
     os.replace(path + ".tmp", path)
@@ -403,7 +405,7 @@ def finish(run_dir: str, kind: str, source: str | None = None) -> None:
     try:
         write(run_dir, kind, source)
     except Exception as e:  # a view of the run must not fail the run
-        print(f"report.py: no report.html for {run_dir}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"report.py: no {layout.REPORT_HTML} for {run_dir}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 _child, _last = None, 0.0
@@ -421,13 +423,13 @@ def refresh(run_dir: str, kind: str, every: float = REFRESH_EVERY_S) -> None:
         _child = subprocess.Popen([sys.executable, os.path.abspath(__file__), run_dir, "--kind", kind],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     except OSError as e:
-        print(f"report.py: cannot refresh report.html: {e}", file=sys.stderr, flush=True)
+        print(f"report.py: cannot refresh {layout.REPORT_HTML}: {e}", file=sys.stderr, flush=True)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Draw a run's report.html from its files.")
+    ap = argparse.ArgumentParser(description=f"Draw a run's {layout.REPORT_HTML} from its files.")
     ap.add_argument("run_dir")
-    ap.add_argument("--kind", choices=KINDS, help="default: meta.json's kind")
+    ap.add_argument("--kind", choices=KINDS, help=f"default: {layout.META}'s kind")
     args = ap.parse_args(argv)
     try:
         print(write(args.run_dir, args.kind))

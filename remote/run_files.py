@@ -19,6 +19,8 @@ import json
 import os
 import re
 
+import layout
+
 PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a str from json.loads pairs valid ones itself
 
@@ -35,7 +37,7 @@ class RunFiles:
     def __init__(self, out_dir, secrets=None):
         os.makedirs(out_dir, mode=PRIVATE_DIR, exist_ok=True)  # an existing one keeps its mode: not ours
         self.dir, self.secrets = out_dir, secrets
-        self.data_path = os.path.join(out_dir, "data.jsonl")
+        self.data_path = os.path.join(out_dir, layout.ROWS)
         self._lock = os.fdopen(open_private(os.path.join(out_dir, ".lock"), 0), "w")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -44,7 +46,7 @@ class RunFiles:
         self.torn_bytes = 0
         self.done_ids = self._read_done_ids()
         self._data = open_private(self.data_path, os.O_APPEND)
-        self._errors = open_private(os.path.join(out_dir, "errors.jsonl"), os.O_APPEND | os.O_TRUNC)
+        self._errors = open_private(os.path.join(out_dir, layout.ERRORS), os.O_APPEND | os.O_TRUNC)
 
     def _read_done_ids(self):
         """Ids of the complete lines of data.jsonl, after cutting off a torn last line."""
@@ -83,7 +85,7 @@ class RunFiles:
         return LONE_SURROGATE.sub("\ufffd", text)
 
     def write_stats(self, stats):
-        self.replace("stats.json", json.dumps(stats, indent=1))
+        self.replace(layout.STATS, json.dumps(stats, indent=1))
 
     def replace(self, name, text):
         """Write the file `name` whole, atomically, cleaned (see clean)."""
@@ -93,7 +95,7 @@ class RunFiles:
         os.replace(path + ".tmp", path)
 
     def write_input(self, record):
-        self.replace("input.json", json.dumps(record, indent=1))
+        self.replace(layout.INPUT, json.dumps(record, indent=1))
 
     def close(self):
         os.close(self._data)
@@ -104,7 +106,7 @@ class RunFiles:
 def read_input(out_dir):
     """What input.json in out_dir records (see RunFiles), or None when there is none to read."""
     try:
-        with open(os.path.join(out_dir, "input.json"), encoding="utf-8") as f:
+        with open(os.path.join(out_dir, layout.INPUT), encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, ValueError):
         return None

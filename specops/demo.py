@@ -20,6 +20,7 @@ from . import deploy, fanout, jobs, pull, runs, serve, watch
 from .errors import SpecopsError
 from .host import Session, connect
 from .inventory import Host
+from .shared import layout
 
 TINY_MODEL_BUILD_TIMEOUT = 1800
 TINY_PROMPTS = 24000  # rows of the tiny domain the demo can generate from (examples/ ships the first 300)
@@ -68,7 +69,7 @@ class Stages:
     def summary(self, dest: str, host: str) -> list[dict]:
         """The rows, each run's with the path of its pulled report.html."""
         def report(run_id):
-            path = Path(dest) / run_id / host / "report.html" if run_id else None
+            path = Path(dest) / run_id / host / layout.REPORT_HTML if run_id else None
             return str(path) if path and path.is_file() else "-"
         return [{"stage": r["stage"], "seconds": r["seconds"], "result": r["result"], "report": report(r["run"])}
                 for r in self.rows]
@@ -150,7 +151,7 @@ def _tiny_model(session: Session, out) -> str:
 def _finished(hosts, run_id: str) -> bool:
     """True when this run already succeeded on the host (so the demo reuses it)."""
     def probe(session: Session) -> dict:
-        code = session.read_file(f"{runs.run_dir(session, run_id)}/exit_code")
+        code = session.read_file(f"{runs.run_dir(session, run_id)}/{layout.EXIT_CODE}")
         return {"done": code is not None and code.strip() == b"0"}
 
     outcomes = fanout.each(hosts, probe)
@@ -188,10 +189,10 @@ def _generate(hosts, run_id, prompts, rows, fresh, check, out) -> str:
         _, code = jobs.generate(hosts, n=rows, dataset=prompts, name=run_id,
                                 follow=True, out=out, extra=["--max-tokens", "384", "--concurrency", "16"])
         check(code, "generate")
-    stats = _read_json(hosts, run_id, "stats.json")
+    stats = _read_json(hosts, run_id, layout.STATS)
     r = stats.get("rows", {})
     if not r.get("done"):
-        check(1, f"generate: no row completed (see errors.jsonl: inv pull --run {run_id})")
+        check(1, f"generate: no row completed (see {layout.ERRORS}: inv pull --run {run_id})")
     return (f"{r.get('done')} rows ({r.get('errors', 0)} errors, {r.get('truncated', 0)} truncated), "
             f"{stats.get('out_tok_s')} output tok/s")
 
@@ -204,9 +205,9 @@ def _train(hosts, run, steps, seconds, held_out, val_fraction, fresh, check, out
                              extra=[*TINY_DRAFT_RECIPE, "--time-budget", str(seconds),
                                     "--val-fraction", str(val_fraction), "--eval-n", str(held_out)])
         check(code, "train")
-    kept = [e for e in _read_jsonl(hosts, run["train"], "evals.jsonl") if e.get("kept")]
+    kept = [e for e in _read_jsonl(hosts, run["train"], layout.EVALS) if e.get("kept")]
     if not kept:
-        check(1, "train: no evaluation recorded (no evals.jsonl: a run of an older specops? `inv demo --fresh`)")
+        check(1, f"train: no evaluation recorded (no {layout.EVALS}: a run of an older specops? `inv demo --fresh`)")
     best = kept[-1]
     where = ""
     if all(isinstance(best.get(k), float) for k in ("val_acc_0_sure", "val_acc_0_unsure", "val_sure_share")):
@@ -220,11 +221,11 @@ def _eval(hosts, run, n, fresh, dest, check, out) -> str:
     """The kept draft measured again, with the baseline for the speedup, on the rows train held out."""
     if _fresh_or_reuse(hosts, run["eval"], fresh, out):
         with connect(hosts[0]) as session:
-            heldout = f"{runs.run_dir(session, run['train'])}/heldout.jsonl"
+            heldout = f"{runs.run_dir(session, run['train'])}/{layout.HELDOUT}"
         _, code, _ = jobs.evaluate(hosts, draft=run["train"], prompts=heldout, n=n, name=run["eval"], dest=dest,
                                    out=out, extra=["--temperature", "0"])
         check(code, "eval")
-    report = _read_json(hosts, run["eval"], "report.json")
+    report = _read_json(hosts, run["eval"], layout.REPORT_JSON)
     return (f"measured acceptance length {report.get('acceptance_length')} (K=3, max 4.0; "
             f"{report.get('delivered_length')} tokens delivered a step) on {report.get('n')} held-out prompts, "
             f"speedup {report.get('speedup')}")

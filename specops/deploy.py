@@ -24,11 +24,14 @@ from pathlib import Path
 
 from . import deps, fanout, owned, transfer
 from .host import Session
+from .shared import layout
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEPLOY_SET = ("remote", "templates", "requirements", "examples")
-NEVER = (".git/", ".venv/", "venv/", "__pycache__/", "*.pyc", ".cache/", ".pytest_cache/", "data/", "runs/",
-         "artifacts/", "checkpoints/", "*.safetensors", "*.bin", "*.pt", "*.ckpt", "*.arrow", "*.parquet")
+# A workdir's own folders are named too: a local host's workdir may be this checkout.
+NEVER = (".git/", ".venv/", f"{layout.VENV}/", "__pycache__/", "*.pyc", ".cache/", ".pytest_cache/", f"{layout.DATA}/",
+         f"{layout.RUNS}/", "artifacts/", "checkpoints/", "*.safetensors", "*.bin", "*.pt", "*.ckpt", "*.arrow",
+         "*.parquet")
 
 
 @dataclass
@@ -51,13 +54,13 @@ def deploy(session: Session, *, root: Path = PROJECT_ROOT, delete: bool = True, 
     carries VERSION), so a no-op deploy costs about what a raw no-op rsync costs.
     """
     start = time.monotonic()
-    owned.claim(session, "code", write=not dry_run)  # --delete must never reach a directory it did not make
+    owned.claim(session, layout.CODE, write=not dry_run)  # --delete must never reach a directory it did not make
     with tempfile.TemporaryDirectory(prefix="specops-version-") as tmp:
         version = _version_file(root, Path(tmp))
-        filters = [*[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore", "--include=/VERSION",
+        filters = [*[f"--exclude={p}" for p in NEVER], "--filter=:- .gitignore", f"--include=/{layout.VERSION}",
                    *[f"--include=/{d}/***" for d in DEPLOY_SET], "--exclude=*"]
-        pushed = transfer.push_tree(session, f"{session.workdir}/code", [f"{root}/", str(version)], filters,
-                                    lambda: {**deployable_files(root), "VERSION": version},
+        pushed = transfer.push_tree(session, layout.code_dir(session.workdir), [f"{root}/", str(version)], filters,
+                                    lambda: {**deployable_files(root), layout.VERSION: version},
                                     delete=delete, dry_run=dry_run, rerun="rerun `inv deploy`", keep=(owned.MARK,))
     return SyncResult(len(pushed.changes), pushed.bytes_sent, time.monotonic() - start, pushed.method,
                       pushed.changes)
@@ -69,7 +72,7 @@ def _version_file(root: Path, tmp: Path) -> Path:
     git = ["git", "-C", str(root)]
     described = subprocess.run(git + ["describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True)
     stamp = subprocess.run(git + ["log", "-1", "--format=%ct"], capture_output=True, text=True).stdout.strip()
-    path = tmp / "VERSION"
+    path = tmp / layout.VERSION
     path.write_text((described.stdout.strip() or "unknown") + "\n")
     os.utime(path, (int(stamp or 0), int(stamp or 0)))
     return path

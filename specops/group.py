@@ -18,6 +18,7 @@ from . import fanout, owned, pull, transfer
 from .errors import SpecopsError
 from .host import Session, quote
 from .inventory import Host
+from .shared import layout
 
 RENDEZVOUS_TIMEOUT = 60  # seconds a node waits to reach the master before failing
 JOIN_TIMEOUT = 900  # seconds torchrun's store waits for every node to join
@@ -56,14 +57,14 @@ def node_argv(python: str, wrapper: str, script: str, script_args: list[str], *,
 
 def shipped_path(session: Session, run_id: str) -> str:
     """Where a node keeps the merged data of generate run ``run_id`` (outside runs/: not a run's output)."""
-    return f"{session.workdir}/data/{run_id}/merged.jsonl"
+    return layout.merged_data(session.workdir, run_id)
 
 
 def local_data(local_run: Path) -> Path | None:
     """The pulled run's records, each id once: merged.jsonl of a sharded run, the one host's data.jsonl otherwise."""
-    if (local_run / pull.MERGED).exists():
-        return local_run / pull.MERGED
-    singles = [p for p in local_run.glob("*/data.jsonl")]
+    if (local_run / layout.MERGED).exists():
+        return local_run / layout.MERGED
+    singles = [p for p in local_run.glob(f"*/{layout.ROWS}")]
     return singles[0] if len(singles) == 1 else None
 
 
@@ -90,7 +91,7 @@ def ship_data(hosts: list[Host], run_ids: list[str], *, dest: str = "artifacts",
 
         def put(session: Session) -> dict:
             path = shipped_path(session, run_id)
-            owned.claim(session, "data")
+            owned.claim(session, layout.DATA)
             have = session.sh(f"sha256sum {quote(path)} 2>/dev/null", check=False, timeout=600).stdout.split()
             same = have[:1] == [digest.hexdigest()]
             return {"data": run_id, "rows": rows,

@@ -47,6 +47,7 @@ import paramiko
 
 from .errors import HostError
 from .inventory import Host
+from .shared import layout
 
 CONNECT_TIMEOUT = float(os.environ.get("SPECOPS_CONNECT_TIMEOUT", 10))
 KEEPALIVE_S = 5
@@ -221,7 +222,7 @@ class Session:
 
     @property
     def venv_python(self) -> str:
-        return f"{self.workdir}/venv/bin/python"
+        return layout.venv_python(self.workdir)
 
     # -- files -----------------------------------------------------------------------
     def write_file(self, path: str, data: str | bytes, mode: int = 0o644) -> None:

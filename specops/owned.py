@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from .errors import HostError
 from .host import Session, quote
+from .shared import layout
 
 MARK = ".specops-owned"
-OWNED = ("code", "venv", "runs", "data", "service")
-DEPLOYED = ("VERSION", "remote", "templates", "requirements", "examples")  # what deploy puts in code/
+OWNED = layout.OWNED
+DEPLOYED = (layout.VERSION, "remote", "templates", "requirements", "examples")  # what deploy puts in code/
 TEXT = "created by specops, which may replace or delete anything in this directory"
 NOT_OURS = 17  # exit code of a script that met a directory specops did not make
 CANNOT_MARK = 18
@@ -36,8 +37,8 @@ FUNCTIONS = r"""
 owned_mark={mark}
 mark() {{ [ -f "$1/$owned_mark" ] || printf '%s\n' {text} >"$1/$owned_mark"; }}
 legacy_workdir() {{
-  local c=$1/code e
-  [ -d "$c" ] && [ ! -L "$c" ] && [ ! -e "$c/$owned_mark" ] && [ -f "$c/VERSION" ] || return 1
+  local c=$1/{code} e
+  [ -d "$c" ] && [ ! -L "$c" ] && [ ! -e "$c/$owned_mark" ] && [ -f "$c/{version}" ] || return 1
   for e in "$c"/* "$c"/.[!.]* "$c"/..?*; do
     [ -e "$e" ] || [ -L "$e" ] || continue
     case ${{e##*/}} in {deployed}) ;; *) return 1;; esac
@@ -67,7 +68,7 @@ owned_or_new() {{
   done
 }}
 """.format(mark=quote(MARK), text=quote(TEXT), deployed="|".join(DEPLOYED), owned=" ".join(OWNED),
-           cannot=CANNOT_MARK, not_ours=NOT_OURS)
+           cannot=CANNOT_MARK, not_ours=NOT_OURS, code=layout.CODE, version=layout.VERSION)
 
 
 def claim_line(session: Session, *names: str, write: bool = True) -> str:

@@ -33,6 +33,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from .shared import layout
+
 MACHINE_PREFIX = "specops-progress {"
 MACHINE_LINE = re.compile(r"specops-progress (\{.*\})\s*$")
 
@@ -76,7 +78,7 @@ _FIGURES = {
     "sim_al": lambda v: f"sim AL {v:.2f}",
     "val_sim_al": lambda v: f"predicted AL {v:.2f} (held out)",
     "measured_al": lambda v: f"measured AL {v:.2f} (vLLM)",
-    "best_step": lambda v: f"draft/ = step {v}",
+    "best_step": lambda v: f"{layout.DRAFT}/ = step {v}",
     "train_s": lambda v: f"{duration(v)} of steps",
     "acceptance_length": lambda v: f"acceptance length {v:.2f}",
     "speedup": lambda v: f"speedup {v:.2f}x",

@@ -37,24 +37,23 @@ from .host import Session, quote
 from .inventory import Host
 from .runs import LIVE_PID, RUN_ID, check_run_id, run_dir, runs_dir, tmux_session
 from .service_spec import SERVICE
-from .shared import remote_module
+from .shared import layout, remote_module
 
-MERGED = "merged.jsonl"
-
+MERGED = layout.MERGED
 
 manifest = remote_module("manifest")  # the one definition of a run's manifest, shared with the hosts
 
 _PROBE = """
 d={dir}
-[ -f "$d/meta.json" ] || exit 12
+[ -f "$d/{L.META}" ] || exit 12
 pid=$(live_pid {session}); printf '%s\\n' "${{pid:-0}}"
-printf '%s\\n' "$(head -c 32 "$d/exit_code" 2>/dev/null | tr -d '\\n')"
-cat "$d/meta.json"
+printf '%s\\n' "$(head -c 32 "$d/{L.EXIT_CODE}" 2>/dev/null | tr -d '\\n')"
+cat "$d/{L.META}"
 """
 
 _NEWEST = """
 cd {runs} 2>/dev/null || exit 0
-for m in */meta.json; do stat --printf '%Y %n\\0' -- "$m" 2>/dev/null; done
+for m in */{L.META}; do stat --printf '%Y %n\\0' -- "$m" 2>/dev/null; done
 """
 
 
@@ -75,7 +74,7 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
     """Copy one host's run directory to DEST/<run-id>/<host>/ and check it against the run's manifest."""
     name = session.host.name
     d = run_dir(session, run_id)
-    probe = _PROBE.format(dir=quote(d), session=quote(tmux_session(session, run_id)))
+    probe = _PROBE.format(L=layout, dir=quote(d), session=quote(tmux_session(session, run_id)))
     r = session.sh(LIVE_PID + probe, check=False, timeout=30)
     if r.exit_code == 12:
         raise HostError(f"no run {run_id} on {name}")
@@ -83,7 +82,7 @@ def pull_host(session: Session, run_id: str, dest: str) -> dict:
         raise HostError(f"{name}: cannot read run {run_id}: {r.stderr.strip()}")
     pid, _, rest = r.stdout.partition("\n")
     code, _, meta_text = rest.partition("\n")
-    shard = shard_of(meta_text, f"{name}: {run_id}/meta.json")
+    shard = shard_of(meta_text, f"{name}: {run_id}/{layout.META}")
     local = Path(dest) / run_id / name
     pulled = transfer.pull_dir(session, d, str(local), exclude=manifest.HOST_ONLY)
     running = pid.strip() != "0"
@@ -118,7 +117,7 @@ def run_state(running: bool, code: str, local: Path) -> str:
     if exit_code == 0:
         return "succeeded"
     try:
-        stats = json.loads((local / "stats.json").read_bytes()) if (local / "stats.json").is_file() else None
+        stats = json.loads((local / layout.STATS).read_bytes()) if (local / layout.STATS).is_file() else None
     except (OSError, ValueError):
         stats = None
     why = stats.get("failure") if isinstance(stats, dict) else None
@@ -176,10 +175,10 @@ def newest_run(hosts: list[Host]) -> str:
         """NUL-separated `MTIME RUN/meta.json` records: a name with a newline cannot forge one. A
         directory whose name is no run id is not a specops run and is passed over."""
         found = {}
-        for record in session.sh(_NEWEST.format(runs=quote(runs_dir(session))), timeout=30).stdout.split("\0"):
+        for record in session.sh(_NEWEST.format(L=layout, runs=quote(runs_dir(session))), timeout=30).stdout.split("\0"):
             mtime, _, path = record.partition(" ")
-            run = path.removesuffix("/meta.json")
-            if mtime.isdigit() and path.endswith("/meta.json") and RUN_ID.match(run) and run != SERVICE:
+            run = path.removesuffix(f"/{layout.META}")
+            if mtime.isdigit() and path.endswith(f"/{layout.META}") and RUN_ID.match(run) and run != SERVICE:
                 found = max(found, {"mtime": int(mtime), "run": run}, key=lambda row: row.get("mtime", -1))
         return found
 
@@ -214,7 +213,7 @@ def merge_shards(local_run: Path, outcomes: list[fanout.Outcome], out) -> int:
         print(f"{MERGED} not written: rows {shown} of the plan were not pulled (pull with --on the whole group)",
               file=out)
         return 1
-    parts = [local_run / host / "data.jsonl" for host in done]
+    parts = [local_run / host / layout.ROWS for host in done]
     if not any(p.exists() for p in parts):
         return 0
     try:
@@ -261,9 +260,9 @@ def jsonl_records(part: Path):
     """(id, line) for each record of a pulled data.jsonl; SpecopsError naming the file and the line at
     the first one that is not what generate writes (the host wrote it: it is data, never trusted)."""
     if not part.exists():
-        raise SpecopsError(f"{part}: missing; every shard must have written its data.jsonl")
+        raise SpecopsError(f"{part}: missing; every shard must have written its {layout.ROWS}")
     if not part.is_file():
-        raise SpecopsError(f"{part}: not a file; a run's data.jsonl is a file of JSON lines")
+        raise SpecopsError(f"{part}: not a file; a run's {layout.ROWS} is a file of JSON lines")
     with open(part, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:

@@ -18,10 +18,11 @@ from . import pull
 from .errors import SpecopsError
 from .inventory import Host
 from .runs import check_run_id
+from .shared import layout
 
 
 def local_path(dest: str, run_id: str, host: Host) -> Path:
-    return (Path(dest) / run_id / host.name / "report.html").resolve()
+    return (Path(dest) / run_id / host.name / layout.REPORT_HTML).resolve()
 
 
 def locate(hosts: list[Host], run_id: str, *, dest: str = "artifacts", out=None) -> int:
@@ -39,7 +40,9 @@ def locate(hosts: list[Host], run_id: str, *, dest: str = "artifacts", out=None)
     out.flush()
     absent = [h.name for h in hosts if h not in found]
     if absent and not code:
-        raise SpecopsError(f"run {run_id} has no report.html on {', '.join(absent)} (a run from before reports, "
-                           f"or one that has not drawn it yet): redraw it on the host with "
-                           f"`<workdir>/venv/bin/python <workdir>/code/remote/report.py <workdir>/runs/{run_id}`")
+        w = "<workdir>"
+        raise SpecopsError(f"run {run_id} has no {layout.REPORT_HTML} on {', '.join(absent)} (a run from before "
+                           f"reports, or one that has not drawn it yet): redraw it on the host with "
+                           f"`{layout.venv_python(w)} {layout.code_file(w, 'remote/report.py')} "
+                           f"{layout.runs_dir(w)}/{run_id}`")
     return code or (1 if absent else 0)

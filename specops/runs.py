@@ -2,15 +2,9 @@
 
 A run is one command in a detached tmux session ``specops-<workdir hash>-<run-id>`` on each host it was
 started on (the same run id everywhere). Everything about it lives in
-``<workdir>/runs/<run-id>/``, which is also the command's working directory (``--out .``)::
-
-    cmd            the exact command line
-    meta.json      run id, kind, host, argv, shard, code version (<workdir>/code/VERSION), start time
-    log            stdout + stderr (appended to on --resume)
-    exit_code      written when the command ends, whatever ended it       (remote/run.sh)
-    manifest.json  size and sha256 of every file, written after exit_code (remote/manifest.py)
-
-A run's state comes from those files and tmux alone:
+``<workdir>/runs/<run-id>/``, which is also the command's working directory (``--out .``); its
+files (cmd, meta.json, log, exit_code, manifest.json, and each script's outputs) are named in
+remote/layout.py. A run's state comes from those files and tmux alone:
 
     running    its tmux session is alive and no exit code is recorded yet
     succeeded  exit_code is 0          failed  exit_code is anything else
@@ -39,6 +33,7 @@ from . import fanout, owned
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .inventory import Host
+from .shared import layout
 from .service_spec import SERVICE, Layout
 
 # tmux forbids '.' and ':' in session names; \Z, as $ would let a trailing newline through
@@ -68,7 +63,7 @@ def tmux_session(session: Session, run_id: str) -> str:
 
 
 def runs_dir(session: Session) -> str:
-    return f"{session.workdir}/runs"
+    return layout.runs_dir(session.workdir)
 
 
 def run_dir(session: Session, run_id: str) -> str:
@@ -86,15 +81,15 @@ def state(alive: bool, exit_code: int | None) -> str:
 _LAUNCH = """
 d={dir}; s={session}
 if [ -n "$(live_pid "$s")" ]; then exit 10; fi
-if [ -e "$d" ] && [ {resume} = no ]; then cat "$d/exit_code" 2>/dev/null; exit 11; fi
+if [ -e "$d" ] && [ {resume} = no ]; then cat "$d/{L.EXIT_CODE}" 2>/dev/null; exit 11; fi
 if [ ! -e "$d" ] && [ {resume} = yes ]; then exit 12; fi
 [ -f {wrapper} ] || exit 13
 [ -x {python} ] || exit 14
 command -v tmux >/dev/null || exit 15
 {claim}
 umask 077  # a run's files (replies, errors, logs) are its user's alone
-mkdir -p "$d" && chmod 700 "$d" && cd "$d" && rm -f exit_code manifest.json || exit 16
-printf '%s\\n' {cmd} >cmd && printf '%s\\n' {meta} >meta.json || exit 16
+mkdir -p "$d" && chmod 700 "$d" && cd "$d" && rm -f {L.EXIT_CODE} {L.MANIFEST} || exit 16
+printf '%s\\n' {cmd} >{L.CMD} && printf '%s\\n' {meta} >{L.META} || exit 16
 tmux kill-session -t "=$s" 2>/dev/null  # a finished session kept by remain-on-exit
 tmux new-session -d -s "$s" -c "$d" {pane}
 """
@@ -121,8 +116,8 @@ def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None =
     if resume and "--resume" not in argv:
         argv.append("--resume")
     name, d = session.host.name, run_dir(session, run_id)
-    code_dir = f"{session.workdir}/code"
-    version = session.read_file(f"{code_dir}/VERSION")
+    code_dir = layout.code_dir(session.workdir)
+    version = session.read_file(f"{code_dir}/{layout.VERSION}")
     meta = {"run_id": run_id, "kind": kind, "host": name, "argv": argv, "shard": (plan or {}).get(name),
             **({"plan": plan} if plan else {}), "resume": resume,
             "code_version": version.decode().strip() if version else None,
@@ -130,7 +125,7 @@ def launch(session: Session, kind: str, argv: list[str], *, run_id: str | None =
     wrapper = f"{code_dir}/remote/run.sh"
     env_file = env_file or Layout(session.workdir).env_file
     pane = shlex.join(["exec", "bash", wrapper, d, session.venv_python, env_file])
-    script = _LAUNCH.format(claim=owned.claim_line(session, "runs"), dir=quote(d),
+    script = _LAUNCH.format(L=layout, claim=owned.claim_line(session, layout.RUNS), dir=quote(d),
                             session=quote(tmux_session(session, run_id)),
                             resume="yes" if resume else "no", wrapper=quote(wrapper),
                             python=quote(session.venv_python), cmd=quote(shlex.join(argv)),
@@ -194,15 +189,15 @@ def launch_on(hosts: list[Host], kind: str, build_argv: Callable[[Session, int, 
 
 _META = """
 d={dir}
-[ -f "$d/meta.json" ] || exit 12
+[ -f "$d/{L.META}" ] || exit 12
 pid=$(live_pid {session}); printf '%s\\n' "${{pid:-0}}"
-cat "$d/meta.json"
+cat "$d/{L.META}"
 """
 
 
 def run_meta(session: Session, run_id: str) -> dict:
     """{"live": whether the run's tmux pane is alive, "meta": its meta.json}; HostError if there is no such run."""
-    r = session.sh(LIVE_PID + _META.format(dir=quote(run_dir(session, run_id)),
+    r = session.sh(LIVE_PID + _META.format(L=layout, dir=quote(run_dir(session, run_id)),
                                           session=quote(tmux_session(session, run_id))), check=False, timeout=30)
     if r.exit_code == 12:
         raise HostError(f"no run {run_id} on {session.host.name}")
@@ -218,12 +213,12 @@ _STOP = """
 d={dir}; s={session}
 [ -d "$d" ] || exit 12
 pid=$(live_pid "$s")
-if [ -z "$pid" ]; then cat "$d/exit_code" 2>/dev/null; exit 0; fi
-ended() {{ i=0; while [ ! -f "$d/exit_code" ] && [ -n "$(live_pid "$s")" ] && [ $i -lt {ticks} ]; do
-  sleep 0.1; i=$((i + 1)); done; [ -f "$d/exit_code" ] || [ -z "$(live_pid "$s")" ]; }}
+if [ -z "$pid" ]; then cat "$d/{L.EXIT_CODE}" 2>/dev/null; exit 0; fi
+ended() {{ i=0; while [ ! -f "$d/{L.EXIT_CODE}" ] && [ -n "$(live_pid "$s")" ] && [ $i -lt {ticks} ]; do
+  sleep 0.1; i=$((i + 1)); done; [ -f "$d/{L.EXIT_CODE}" ] || [ -z "$(live_pid "$s")" ]; }}
 kill -INT -- "-$pid" 2>/dev/null
 ended || {{ kill -TERM -- "-$pid" 2>/dev/null; ended; }} || exit 13
-cat "$d/exit_code" 2>/dev/null
+cat "$d/{L.EXIT_CODE}" 2>/dev/null
 """
 
 
@@ -233,7 +228,7 @@ def stop(session: Session, run_id: str, grace: float = 30) -> dict:
     Returns the row for the host: the run's state and exit code (the wrapper records it).
     """
     name = session.host.name
-    script = _STOP.format(dir=quote(run_dir(session, run_id)), session=quote(tmux_session(session, run_id)),
+    script = _STOP.format(L=layout, dir=quote(run_dir(session, run_id)), session=quote(tmux_session(session, run_id)),
                           ticks=int(grace * 10))
     r = session.sh(LIVE_PID + script, check=False, timeout=2 * grace + 60)
     if r.exit_code == 12:

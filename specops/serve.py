@@ -26,6 +26,7 @@ from .errors import SpecopsError
 from .host import Session, connect, quote
 from .progress import Display, Startup
 from .service_spec import LOOPBACK, Extraction, Layout, Policy, render
+from .shared import layout
 from .supervisors import choose, host_facts
 
 PROBE_SOURCE = (Path(__file__).resolve().parent.parent / "remote" / "service_probe.py").read_text()
@@ -75,14 +76,14 @@ def preflight(session: Session, *, extract: bool = False) -> None:
     """Before anything is written or started: the venv, vLLM in it and the model are there (one round
     trip). Without this a host never deployed starts a service that dies in a second, blaming vLLM."""
     host, model = session.host, session.path(session.host.model)
-    venv = f"{session.workdir}/venv"  # pip installs vllm's console script with it, on either flavor
+    venv = layout.venv_dir(session.workdir)  # pip installs vllm's console script with it, on either flavor
     r = session.sh(_PREFLIGHT.format(venv=quote(venv), model=quote(model), extract="yes" if extract else "no",
-                                     code=quote(f"{session.workdir}/code")), check=False, timeout=60)
+                                     code=quote(layout.code_dir(session.workdir))), check=False, timeout=60)
     problem = {
         20: f"no venv at {venv} (never deployed here?): run `inv deploy --on {host.name}`, which creates it",
         21: f"vLLM is not installed in {venv}: run `inv deps --on {host.name} --fix`",
         22: f"the model {model} is not on the host: copy it there, or set `model` in the inventory to where it is",
-        23: f"no deployed code in {session.workdir}/code (--extract needs it): run `inv deploy --on {host.name}`",
+        23: f"no deployed code in {layout.code_dir(session.workdir)} (--extract needs it): run `inv deploy --on {host.name}`",
     }.get(r.exit_code)
     if problem:
         raise SpecopsError(f"{host.name}: {problem}; nothing was started")
@@ -95,14 +96,14 @@ def extraction(session: Session, layers: str | None) -> Extraction:
     """The layers to extract for the host's model, by the rule the trainer uses (remote/extract.py
     asks remote/target_states.py), so the ids vLLM writes are the ids the draft config gets."""
     host = session.host
-    argv = [session.venv_python, f"{session.workdir}/code/remote/extract.py", "--target", session.path(host.model),
+    argv = [session.venv_python, layout.code_file(session.workdir, "remote/extract.py"), "--target", session.path(host.model),
             "--print-layers"] + (["--layers", layers] if layers else [])
     r = session.run(argv, check=False, timeout=300)
     if not r.ok:
         why = (r.stderr.strip() or r.stdout.strip() or f"exit {r.exit_code}").splitlines()[-1]
         raise SpecopsError(f"{host.name}: --extract: {why}", exit_code=2)
     ids = json.loads(r.stdout.strip().splitlines()[-1])["layers"]
-    return Extraction(tuple(ids), Layout(session.workdir).states_dir, f"{session.workdir}/code")
+    return Extraction(tuple(ids), Layout(session.workdir).states_dir, layout.code_dir(session.workdir))
 
 
 def _stop_previous(session, facts, layout, policy, out) -> None:

@@ -34,7 +34,7 @@ import jinja2
 
 from .errors import SpecopsError
 from .secrets import NAMES as SECRET_NAMES
-from .shared import remote_module
+from .shared import layout, remote_module
 
 SERVICE = "vllm"  # the service's name after the workdir's prefix; no run may take it
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -74,7 +74,7 @@ class Layout:
 
     @property
     def dir(self) -> str:
-        return f"{self.workdir}/service"
+        return layout.service_dir(self.workdir)
 
     @property
     def prefix(self) -> str:
@@ -86,15 +86,16 @@ class Layout:
     unit_name = property(lambda self: f"{self.name}.service")
     unit_path = property(lambda self: f"/etc/systemd/system/{self.unit_name}")
 
-    env_file = property(lambda self: f"{self.dir}/vllm.env")  # 0600: holds the secrets
-    log_file = property(lambda self: f"{self.dir}/vllm.log")  # tmux supervisor: vLLM's output + notes
-    script = property(lambda self: f"{self.dir}/supervise.sh")
-    pid_file = property(lambda self: f"{self.dir}/vllm.pid")
-    supervisor_pid_file = property(lambda self: f"{self.dir}/supervisor.pid")
-    state_file = property(lambda self: f"{self.dir}/state")
-    staged_unit = property(lambda self: f"{self.dir}/vllm.service")  # copied to unit_path by `install`
-    marker = property(lambda self: f"{self.dir}/supervisor")  # which supervisor `inv serve` used last
-    states_dir = property(lambda self: f"{self.dir}/hidden_states")  # `--extract`: per-request state files
+    # the files of service/, named (and explained) in remote/layout.py
+    env_file = property(lambda self: f"{self.dir}/{layout.SERVICE_ENV}")
+    log_file = property(lambda self: f"{self.dir}/{layout.SERVICE_LOG}")
+    script = property(lambda self: f"{self.dir}/{layout.SERVICE_SCRIPT}")
+    pid_file = property(lambda self: f"{self.dir}/{layout.SERVICE_PID}")
+    supervisor_pid_file = property(lambda self: f"{self.dir}/{layout.SUPERVISOR_PID}")
+    state_file = property(lambda self: f"{self.dir}/{layout.SERVICE_STATE}")
+    staged_unit = property(lambda self: f"{self.dir}/{layout.SERVICE_UNIT}")
+    marker = property(lambda self: f"{self.dir}/{layout.SUPERVISOR}")
+    states_dir = property(lambda self: f"{self.dir}/{layout.HIDDEN_STATES}")
 
 
 @dataclass(frozen=True)

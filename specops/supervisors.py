@@ -17,6 +17,7 @@ from . import owned, urls
 from .errors import HostError, SpecopsError
 from .host import Session, quote
 from .service_spec import Layout, Policy, Rendered
+from .shared import layout
 
 TOOLS = ("tmux", "install", "systemctl", "journalctl")
 # systemd is usable when PID 1 is systemd and systemctl answers (a container's systemctl may not): prints systemd=yes|no
@@ -67,7 +68,7 @@ class Supervisor:
 
     def write(self, rendered: Rendered) -> bool:
         """Put the rendered files in place; True if any of them changed."""
-        owned.claim(self.session, "service")  # a user's own service/ is neither closed nor written into
+        owned.claim(self.session, layout.SERVICE)  # a user's own service/ is neither closed nor written into
         self.session.private_dir(self.layout.dir)  # also when the env file is unchanged (an older, open dir)
         changed = self._replace(self.layout.env_file, rendered.env, 0o600)  # secrets: private from birth
         changed |= self._install(rendered)

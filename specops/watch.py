@@ -31,6 +31,7 @@ from .host import Session, connect, quote
 from .inventory import Host
 from .runs import LIVE_PID, check_run_id, run_dir, runs_dir, state, tmux_session
 from .service_spec import Layout
+from .shared import layout
 
 STATUS_TIMEOUT = 30
 DISK_FULL = "disk full on the host: free space there, then continue it with --resume"
@@ -48,16 +49,16 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     | sed 's/^/gpu\\t/'
 fi
 if [ -n "$named" ]; then ids=$named; else
-  ids=$( {{ ls -1t "$runs"/*/meta.json 2>/dev/null | head -n {last} | while IFS= read -r m; do
+  ids=$( {{ ls -1t "$runs"/*/{L.META} 2>/dev/null | head -n {last} | while IFS= read -r m; do
              basename "$(dirname "$m")"; done
            tmux list-sessions -F '#{{session_name}}' 2>/dev/null | sed -n "s/^$prefix-//p"; }} | sort -u)
 fi
 for id in $ids; do
-  d="$runs/$id"; started=$(stat -c %Y "$d/meta.json" 2>/dev/null) || continue  # gone since listed
-  progress=$(tail -c 65536 "$d/log" 2>/dev/null | grep -ao 'specops-progress {{.*}}' | tail -n 1)
-  code=$(head -c 32 "$d/exit_code" 2>/dev/null)
-  why=; case $code in ''|0) ;; *) why=$(head -c 65536 "$d/stats.json" 2>/dev/null | base64 -w0);; esac
-  [ -e "$d/disk_full" ] && why=$(printf '%s' {disk_full} | base64 -w0)  # remote/run.sh: the disk filled up
+  d="$runs/$id"; started=$(stat -c %Y "$d/{L.META}" 2>/dev/null) || continue  # gone since listed
+  progress=$(tail -c 65536 "$d/{L.LOG}" 2>/dev/null | grep -ao 'specops-progress {{.*}}' | tail -n 1)
+  code=$(head -c 32 "$d/{L.EXIT_CODE}" 2>/dev/null)
+  why=; case $code in ''|0) ;; *) why=$(head -c 65536 "$d/{L.STATS}" 2>/dev/null | base64 -w0);; esac
+  [ -e "$d/{L.DISK_FULL}" ] && why=$(printf '%s' {disk_full_why} | base64 -w0)  # remote/run.sh: the disk filled up
   printf 'run\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n' "$id" "$(live_pid "$prefix-$id")" "$code" \\
     "$started" "${{progress#specops-progress }}" "$why"
 done
@@ -65,8 +66,8 @@ done
 
 def host_status(session: Session, run_id: str | None = None, last: int = 10) -> dict:
     """One host's service state, GPU use and runs (the named one, else the newest + all live ones)."""
-    script = _STATUS.format(runs=quote(runs_dir(session)), named=quote(run_id or ""), last=int(last),
-                            disk_full=quote(json.dumps({"failure": DISK_FULL})),
+    script = _STATUS.format(L=layout, runs=quote(runs_dir(session)), named=quote(run_id or ""), last=int(last),
+                            disk_full_why=quote(json.dumps({"failure": DISK_FULL})),
                             prefix=quote(Layout(session.workdir).prefix))
     out = session.sh(LIVE_PID + script, timeout=STATUS_TIMEOUT).stdout
     now, gpus, runs = 0, [], []
@@ -217,12 +218,12 @@ def _cleaned(value, secrets):
 _POLL = """
 d={dir}; s={session}; off={offset}
 [ -d "$d" ] || exit 12
-pid=$(live_pid "$s"); code=$(cat "$d/exit_code" 2>/dev/null)
-size=$(stat -c %s "$d/log" 2>/dev/null || echo 0)
-if [ "$off" = tail ]; then off=$((size - $(tail -n {lines} "$d/log" 2>/dev/null | wc -c))); fi
+pid=$(live_pid "$s"); code=$(cat "$d/{L.EXIT_CODE}" 2>/dev/null)
+size=$(stat -c %s "$d/{L.LOG}" 2>/dev/null || echo 0)
+if [ "$off" = tail ]; then off=$((size - $(tail -n {lines} "$d/{L.LOG}" 2>/dev/null | wc -c))); fi
 [ "$off" -le "$size" ] || off=0
 printf '%s %s %s\\n' "$off" "${{pid:-0}}" "${{code:--}}"
-tail -c +$((off + 1)) "$d/log" 2>/dev/null | head -c {chunk} | base64 -w0
+tail -c +$((off + 1)) "$d/{L.LOG}" 2>/dev/null | head -c {chunk} | base64 -w0
 """
 
 
@@ -240,7 +241,7 @@ class Poll:
 
 def poll_log(session: Session, run_id: str, offset: int | None, lines: int = 50) -> Poll | None:
     """The log bytes from ``offset`` (None: from the start of the last ``lines`` lines); None if no such run."""
-    script = _POLL.format(dir=quote(run_dir(session, run_id)), session=quote(tmux_session(session, run_id)),
+    script = _POLL.format(L=layout, dir=quote(run_dir(session, run_id)), session=quote(tmux_session(session, run_id)),
                           offset="tail" if offset is None else int(offset), lines=int(lines), chunk=CHUNK)
     r = session.sh(LIVE_PID + script, check=False, timeout=STATUS_TIMEOUT)
     if r.exit_code == 12:

@@ -1,4 +1,4 @@
-"""Shared fixtures, one module per area (tests/fixtures_<area>.py).
+"""Shared fixtures, one module per area (tests/helpers/fixtures_<area>.py, listed in pytest_plugins below).
 
 `--repeat N` runs each selected test N times, its module's fixtures (one vLLM, one host) shared:
 the loop that tells a race fixed from a race missed by luck, e.g.
