@@ -104,7 +104,7 @@ def parse_args(argv=None):
     ap.add_argument("--drop-truncated", action="store_true",
                     help=f"keep rows cut by --max-tokens out of {layout.ROWS} (they go to {layout.ERRORS})")
     ap.add_argument("--min-success", type=share, default=0.5, metavar="SHARE",
-                    help="fail (exit 4) when less than this share of the rows is in data.jsonl at the "
+                    help=f"fail (exit 4) when less than this share of the rows is in {layout.ROWS} at the "
                          "end (0 to 1; default 0.5)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the run in DIR (required to exist); plain re-runs resume too")
