@@ -143,6 +143,9 @@ def parse_args(argv=None):
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run the checkpoint's own config/tokenizer code (Kimi-K2), as vLLM's flag of that name")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--backend", choices=["auto", "gloo"], default="auto",
+                    help="torchrun's process group: auto is NCCL for CUDA tensors (gloo beside it for CPU ones); gloo "
+                         "with --device cuda lets two ranks share one GPU, which NCCL refuses (bench/gpu_check.sh)")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                     help="auto: bf16 on cuda, else fp32 with the draft MLP's matmuls in bf16 where the CPU "
                          "multiplies bf16 natively (AVX512-BF16, AMX)")
@@ -597,7 +600,8 @@ def main(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise Refused("--device cuda, but torch sees no CUDA device")
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    # Rank i on GPU i; more ranks than GPUs (--backend gloo) share them round the table.
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
     if use_cuda and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # Before the first CUDA allocation. Here, not at import: a process that imports this module would
         # pass it to every vLLM it starts. At a batch near the plan's, the default allocator's fragmentation
@@ -612,7 +616,8 @@ def main(argv=None):
     if distributed:  # even at world size 1: a one-GPU machine then runs the NCCL path the 8-GPU job runs
         # Ranks wait for rank 0's vLLM measurement in a collective: its timeout must outlast --eval-timeout.
         wait = max(1800.0, args.eval_timeout + 600) if args.eval_vllm else 1800.0
-        dist.init_process_group(process_group_backend(use_cuda), timeout=datetime.timedelta(seconds=wait))
+        backend = "gloo" if args.backend == "gloo" else process_group_backend(use_cuda)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=wait))
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and use_cuda)
     dtype = torch.bfloat16 if bf16 else torch.float32
     writer = local_rank == 0  # one writer per host: multi-node runs keep a full copy on every node
