@@ -158,9 +158,10 @@ def extract(c, data=None, on=None, inventory=None, layers=None, scratch_gb: floa
 
 @task(name="eval", help={**HOST_HELP, "draft": "train run id (or a draft directory on the host)",
                          "prompts": "held-out prompts file (default: the shipped examples/prompts.jsonl)",
-                         "n": "prompts to send", "k": "num_speculative_tokens", "name": RUN_NAME_HELP["name"],
+                         "n": jobs.EVAL["n"].help, "k": jobs.EVAL["k"].help, "name": RUN_NAME_HELP["name"],
                          "dest": "local directory for the pulled report"})
-def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n: int = 100, k: int = 3, name=None,
+def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n: int = jobs.EVAL["n"].default,
+          k: int = jobs.EVAL["k"].default, name=None,
           dest="artifacts"):
     """Measure the draft's acceptance length in real vLLM on the host's own model; pull the report."""
     hosts = select_hosts(c, inventory, on)

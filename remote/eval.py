@@ -38,6 +38,7 @@ import time
 import urllib.request
 
 from datasets_io import first_prompt
+import job_specs
 import report as report_page  # report() below builds the JSON one
 from script import Refused, main_of, progress
 
@@ -56,8 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--target", help="target model path (served as is); needed unless --endpoint")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (config.json + model.safetensors)")
     ap.add_argument("--prompts", required=True, help="jsonl: messages, conversations or prompt per row")
-    ap.add_argument("--n", type=int, default=100, help="prompts to send (the file's first N usable rows)")
-    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    job_specs.add(ap, job_specs.EVAL)  # --n, --k: shared with `inv eval`
     ap.add_argument("--temperature", action="append",
                     help="a float, or 'default' for the model's own sampling; repeat (default: 0 and default)")
     ap.add_argument("--max-tokens", type=int, default=256)

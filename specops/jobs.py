@@ -20,9 +20,10 @@ from . import plan as plans
 from .errors import SpecopsError
 from .host import Session, connect, quote
 from .service_spec import Layout
-from .shared import layout
+from .shared import layout, remote_module
 
 TORCHRUN_PORT = 29517
+EVAL = remote_module("job_specs").EVAL  # eval.py's --n and --k, as the host script defines them
 
 
 def code(session: Session, rel: str) -> str:
@@ -358,16 +359,17 @@ def train_plan(hosts, *, gpus=0, states=None, extra=(), out=None) -> int:
 
 # ---------------------------------------------------------------- eval
 
-def eval_argv(session: Session, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, extra=()) -> list[str]:
+def eval_argv(session: Session, *, draft, prompts="examples/prompts.jsonl", n=EVAL["n"].default,
+              k=EVAL["k"].default, extra=()) -> list[str]:
     """remote/eval.py's command; its servers are started like the host's own (eval_server_args)."""
     return script(session, "eval.py") + [
-        "--target", model_path(session), "--draft", run_output(session, draft, "draft"),
+        "--target", model_path(session), "--draft", run_output(session, draft, layout.DRAFT),
         "--prompts", dataset_arg(session, prompts), "--n", str(n), "--k", str(k), "--json", layout.REPORT_JSON,
         *eval_server_args(session.host), *extra]
 
 
-def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=100, k=3, name=None, dest="artifacts", extra=(),
-             on=None, out=None) -> tuple[str | None, int, dict]:
+def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=EVAL["n"].default, k=EVAL["k"].default, name=None,
+             dest="artifacts", extra=(), on=None, out=None) -> tuple[str | None, int, dict]:
     """Measure a draft's acceptance length on each host's own target; waits, pulls, prints the report."""
     out = out or sys.stdout
 
