@@ -39,7 +39,7 @@ from chat_render import ChatRenderer, data_files, load_samples
 from draft_model import DraftConfig, Eagle3Draft, export
 from muon import MuonAdamW, muon_groups
 from batching import cut_batches, held_out_rows, rank_batches, steps_in_epochs
-from states_from_shards import ShardTargetStates
+from states_from_shards import ShardTargetStates, StatesError
 import train_plan
 from target_states import CachedTargetStates, OnlineTargetStates, TargetStates
 from ttt_objective import SoftCrossEntropy, scored_slots, target_distribution
@@ -318,7 +318,8 @@ def read_checkpoint(path: str, fp: dict) -> tuple[dict | None, str | None]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a torn or foreign file: every rank refuses with this line
-        return None, f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        return None, (f"cannot read {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__}): restore it, "
+                      "or start afresh in another --out")
     changed = [k for k in fp if ckpt["fingerprint"].get(k) != fp[k]]
     if changed:
         return None, f"cannot resume {path}: changed since the run started: {', '.join(changed)}"
@@ -571,7 +572,7 @@ def agree_start(local_step: int, local_error: str | None, ckpt_path: str) -> int
     seen = everyones((socket.gethostname(), local_step, local_error))
     for rank, (host, _, error) in enumerate(seen):
         if error:
-            raise Refused(f"node {host} (rank {rank}): {error}")
+            raise Refused(f"node {host} (rank {rank}): {error}" if len(seen) > 1 else error)
     first = seen[0][1]
     for rank, (host, step, _) in enumerate(seen):
         if step != first:
@@ -802,8 +803,11 @@ def main(argv=None):
         (loss, correct, counted), input_ids, attention, loss_mask). certainty: the objective keeps the
         target's probability of its argmax too (validation's split of the hits)."""
         input_ids, attention, loss_mask = collate(samples, index, pad_id, device)
-        states = target.states(input_ids, attention, index, payload) if payload else \
-            target.states(input_ids, attention, index)
+        try:
+            states = target.states(input_ids, attention, index, payload) if payload else \
+                target.states(input_ids, attention, index)
+        except StatesError as e:  # a shard the loader could not read: its one line, not a traceback
+            raise Refused(str(e)) from None
         target_vd, target_top, target_top_p = target_distribution(target.normed(states.last), target.head_weight,
                                                                   head_vd, with_top_p=certainty)
         if args.label_temperature != 1.0:
