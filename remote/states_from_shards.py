@@ -298,10 +298,12 @@ class ReadAhead:
     def __init__(self, source: "ShardTargetStates", batches: list, samples, pin: bool):
         self.source, self.batches, self.samples = source, batches, samples
         need = loader_bytes(batches, samples, source.plan)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this host's ranks each hold as much, all at once
         free = free_ram_bytes()
-        if free and need > free:
-            raise StatesError(f"the --states loader needs {need / 1e9:.3g} GB of host RAM ({LOADER_BATCHES} batches of "
-                              f"states) and {free / 1e9:.3g} GB is free: lower --batch-tokens or free memory")
+        if free and need * ranks > free:
+            raise StatesError(f"the --states loader needs {need / 1e9:.3g} GB of host RAM per rank ({LOADER_BATCHES} "
+                              f"batches of states), {need * ranks / 1e9:.3g} GB for this host's {ranks}, and "
+                              f"{free / 1e9:.3g} GB is free: lower --batch-tokens or free memory")
         elements = need // LOADER_BATCHES // self._dtype().itemsize
         self.free: queue.Queue = queue.Queue()
         self.ready: queue.Queue = queue.Queue()

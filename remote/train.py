@@ -543,18 +543,18 @@ def resolve_batch_tokens(args, memory_plan: dict) -> int:
     """The plan's batch (auto: the largest that fits on every rank: the smallest rank's), kept in
     OUT/train_plan.json: a resumed auto run cuts the batches the interrupted one cut, whatever GPU it resumes on."""
     path = os.path.join(args.out, "train_plan.json")
-    if args.batch_tokens == "auto" and args.resume and os.path.exists(path):
+    resumed = args.batch_tokens == "auto" and args.resume and os.path.exists(path)
+    if resumed:
         with open(path) as f:
-            local = json.load(f)["batch_tokens"]
-    else:
-        local = memory_plan["batch_tokens"]
-    agreed = min(everyones(local))
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not (args.resume and os.path.exists(path)):
+            memory_plan = json.load(f)
+    # The group's plan is its tightest rank's: every node records that one.
+    group_plan = min(everyones(memory_plan), key=lambda p: p["batch_tokens"])
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not resumed:
         os.makedirs(args.out, exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            json.dump({**memory_plan, "batch_tokens": agreed}, f, indent=1)
+            json.dump(group_plan, f, indent=1)
         os.replace(path + ".tmp", path)
-    return agreed
+    return group_plan["batch_tokens"]
 
 
 def agree_steps(total_steps: int) -> None:
@@ -784,7 +784,10 @@ def main(argv=None):
             next(batches)
     if args.states:  # vLLM's states: read ahead by DataLoader workers into pinned memory while the GPU steps
         schedule = [next(batches) for _ in range(start_step, total_steps)]
-        batches = iter(target.loader(schedule, samples, loader_workers(args, world), pin=use_cuda))
+        try:
+            batches = iter(target.loader(schedule, samples, loader_workers(args, world), pin=use_cuda))
+        except StatesError as e:
+            raise Refused(str(e)) from None
     else:
         batches = ((epoch, index, None) for epoch, index in batches)
     pad_id = renderer.tok.pad_token_id if renderer.tok.pad_token_id is not None else 0
