@@ -6,7 +6,7 @@
 Writes synthetic shards (states_dir.write_shard: the extraction's own format, 4 layers of
 bf16 states) under a temporary directory, then measures, in one run on this machine:
 - the loader: states_from_shards' DataLoader over the batches, with each --workers count
-  (0 = read in the training thread, as before issue 12), what the training loop receives;
+  (0 = read in the training thread), what the training loop receives;
 - the step: the lean training step (bench/train_step.py's) at the same hidden size and
   batch, fp32 on the CPU.
 The figure that matters is loader tokens/s / step tokens/s: above 1, the step never waits.

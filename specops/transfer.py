@@ -9,7 +9,7 @@ channel instead, skipping those already complete (same size and mtime) and conti
 interrupted copy from its end. Either way the caller verifies what arrived (runs write a
 manifest; see remote/manifest.py).
 
-What a host sends is not trusted to say where it goes (issue 14). The rules, all here:
+What a host sends is not trusted to say where it goes. The rules, all here:
 
 * a pull writes only under its local directory: every path a host names (a manifest entry,
   an SFTP listing) goes through :func:`inside` or :func:`plain_name` before anything here is

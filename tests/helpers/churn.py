@@ -1,5 +1,5 @@
 """Races made to happen: a second process churning files in a directory, and listings whose entries vanish
-before the caller sees them (issue 18's tests)."""
+before the caller sees them (the vanishing-files tests)."""
 import contextlib
 import os
 import subprocess

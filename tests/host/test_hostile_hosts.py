@@ -1,4 +1,4 @@
-"""Hostile hosts (issue 14): a test host whose run directory, workdir or service directory the test
+"""Hostile hosts: a test host whose run directory, workdir or service directory the test
 writes itself, the way someone else on a shared GPU box (or a compromised one) could.
 
 What is checked: `inv pull` writes, verifies and deletes only inside DEST/<run>/<host>/ whatever the

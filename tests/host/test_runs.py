@@ -1,4 +1,4 @@
-"""Detached runs on real sshd hosts: launch, status, logs, stop, pull (issue: detached runs).
+"""Detached runs on real sshd hosts: launch, status, logs, stop, pull.
 
 Payloads are small Python programs run with the host's venv Python (a symlink to the project's
 venv); the code they need on the host is put there by the real `deploy`.

@@ -1,5 +1,5 @@
 """`inv pull` of a run directory another process is writing, over rsync, SFTP and a local copy: what
-vanished between listing and copy is skipped, the rest arrives (issue 18; the walks without a host
+vanished between listing and copy is skipped, the rest arrives (the walks without a host
 are in tests/unit/test_vanishing_files.py)."""
 import contextlib
 import os

@@ -1,5 +1,5 @@
 """What an extraction server answers is input: the file it names is read and then deleted, so
-only a request file directly inside the configured storage is accepted (issue: hostile servers).
+only a request file directly inside the configured storage is accepted (a hostile server).
 
 The hostile server is a small HTTP server in the test that answers like vLLM but names files
 of its choosing; the victims are real files that must survive.

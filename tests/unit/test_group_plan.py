@@ -1,5 +1,5 @@
 """Many hosts as one, without hosts: row plans and re-plans, the merge, the group's torchrun argv,
-and the trainer's epoch covering every sample once whatever the world size (issue 13)."""
+and the trainer's epoch covering every sample once whatever the world size."""
 import json
 import random
 import sys

@@ -67,7 +67,7 @@ MALFORMED = {
     "bad_gpus": ("all:\n  children:\n    g:\n      hosts:\n        a: {gpus: 'zero,one'}\n",
                  ["key 'gpus'", "GPU indices"]),
     "unknown_group_key": ("all:\n  children:\n    g:\n      host: {a: {}}\n", ["group 'g'", "unknown key 'host'"]),
-    # issue 14, item 8: nothing silently resolved, nothing out of range
+    # nothing silently resolved, nothing out of range
     "conflicting_groups": ("all:\n  children:\n    a:\n      vars: {port: 8000}\n      hosts: {h: {}}\n"
                            "    b:\n      vars: {port: 8100}\n      hosts: {h: {}}\n",
                            ["host 'h'", "groups 'a' and 'b'", "'port'", "8000 vs 8100"]),

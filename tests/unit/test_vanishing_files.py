@@ -1,4 +1,4 @@
-"""Directory walks against a directory another process is writing (issue 18: vanishing files).
+"""Directory walks against a directory another process is writing (vanishing files).
 Pull, which needs a host, is in tests/host/test_vanishing_files_pull.py.
 
 A file listed a moment ago may be gone when it is stat'ed, opened or removed: vLLM's request

@@ -1,4 +1,4 @@
-"""Many hosts as one, on real hosts (issue 13): a group's generate run trains one draft across the
+"""Many hosts as one, on real hosts: a group's generate run trains one draft across the
 group (gloo torchrun between network-namespace hosts), a host cut mid-generate has its rows
 re-planned onto the other, and a node that cannot reach the master fails in one line.
 

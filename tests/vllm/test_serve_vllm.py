@@ -79,7 +79,7 @@ def test_real_vllm_under_tmux(tmp_path, netns_trio, tiny_model, api_key):
         assert api_key not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
         assert api_key not in outputs(served, status, logs)
 
-        # a model path that is not there: refused before anything is written or started (issue 14, item 10)
+        # a model path that is not there: refused before anything is written or started
         missing = tmux_inventory(tmp_path, node, workdir, model="models/no such model", **common)
         refused = inv("serve", "--on", node.name, "--wait", "--timeout", "300", inventory=missing)
         assert refused.returncode == 1, outputs(refused)
