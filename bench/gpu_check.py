@@ -16,8 +16,9 @@ Steps (each a subcommand of this file, printing its rows):
   sdpa           which SDPA kernels the draft's shapes get: bf16/fp32, 64 heads over 8 kv and 8 over 8, head 112
   bf16-grads     the bf16-autocast step's gradients against an fp64 step's (train.step_autocast)
   attention      the diagonal attention's lse kernels and gradients against the dense mask
-  real-width     torchrun, NCCL: the Kimi-width step at 3 batch sizes: peak allocated/reserved against the
-                 plan (ratio), tokens/s, and the reserve measured against train_plan.RESERVE_GB
+  real-width     torchrun, NCCL: the Kimi-width step at 3 batch sizes (AdamW) and one (Muon): peak
+                 allocated/reserved against the plan (ratio), tokens/s, and the reserve measured against
+                 train_plan.RESERVE_GB
   loader         the --states loader at Kimi width: host RAM held against its bound, /dev/shm, tokens/s
   resume         torchrun --nproc-per-node 1 (NCCL) train.py --states on the tiny target: killed after a
                  checkpoint, resumed, its metrics equal to an uninterrupted run's
@@ -438,7 +439,11 @@ def real_width_step(args) -> int:
     in_vocab = torch.zeros(V, dtype=torch.bool, device=device)
     in_vocab[vocab_ids] = True
     failed = 0
-    for B in [int(b) for b in args.batches.split(",")]:
+    for B, optimizer in [(int(b), "adamw") for b in args.batches.split(",")] + [(2, "muon")]:
+        if optimizer == "muon":  # its Newton-Schulz iterations in bf16 on every matrix: the cost to weigh
+            del opt
+            torch.cuda.empty_cache()
+            opt = train.make_optimizer(types.SimpleNamespace(optimizer="muon", lr=1e-4, muon_lr=0.02), draft, False)
         ids = torch.randint(0, V, (B, T), device=device)
         aux = torch.randn(B, T, 3 * H, device=device, dtype=torch.bfloat16)
         last = torch.randn(B, T, H, device=device, dtype=torch.bfloat16)
@@ -466,11 +471,11 @@ def real_width_step(args) -> int:
         free, total = torch.cuda.mem_get_info(device)
         context = total - free - torch.cuda.memory_reserved(device)  # CUDA context, kernels, NCCL's buffers
         planned = train_plan.plan({}, shape=shape, gpus=1, gpu_gb=1e6, ttt=k, batch_tokens=B * T, max_len=T,
-                                  online=False)["peak_gb"] * 1e9
+                                  online=False, optimizer=optimizer)["peak_gb"] * 1e9
         reserve = context + reserved - allocated
         ok = allocated <= planned * 1.05 and reserve <= train_plan.RESERVE_GB * 1e9
         failed += not ok
-        row(check=f"Kimi-width step, {B}x{T} tokens (NCCL)", ok=ok, tokens_per_s=round(B * T / times[-1]),
+        row(check=f"Kimi-width step, {B}x{T} tokens, {optimizer} (NCCL)", ok=ok, tokens_per_s=round(B * T / times[-1]),
             max_allocated_gb=round(allocated / 1e9, 2), max_reserved_gb=round(reserved / 1e9, 2),
             plan_gb=round(planned / 1e9, 2), plan_over_allocated=round(planned / allocated, 3),
             context_gb=round(context / 1e9, 2), reserve_measured_gb=round(reserve / 1e9, 2),

@@ -32,10 +32,10 @@ BACKWARD_FACTOR = 1.0  # one step's peak while its backward runs / the saved ten
 # Memory a GPU's free figure at start does not leave to the step: this process's CUDA context and
 # kernels (~0.5-1 GB), NCCL's communicator buffers (grow with ranks and channels: ~1-2 GB at 8 ranks),
 # and what the caching allocator holds but cannot hand out. A plan figure until bench/gpu_check.sh's
-# `reserve` row measures it (reserved - allocated at the real-width step, plus the context) on the lent GPU;
+# real-width rows measure it (reserve_measured_gb: the context plus reserved - allocated) on a lent GPU;
 # the plan subtracts it from the memory free when the run starts (train.py), not from the card's total.
 RESERVE_GB = 3.0
-# Measured on an H200 (bench/gpu_check.py real-step: Kimi width, TTT 7, bf16 autocast, 8/16/31 x 4096 tokens):
+# Measured on an H200 (bench/gpu_check.py's real-width step, then named real-step: Kimi width, TTT 7, bf16 autocast, 8/16/31 x 4096 tokens):
 # peak torch.cuda.max_memory_allocated grows 0.981 MB per token where the tensor count below gives 0.810.
 # Which bf16-autocast tensors the count misses is not pinned down yet, so the count is scaled, not guessed at.
 CUDA_ACTIVATION_FACTOR = 1.21
