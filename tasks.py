@@ -57,13 +57,13 @@ def stop(c, run, on=None, inventory=None, grace: float = 30):
 
 @task(help={**HOST_HELP, "run": RUN_HELP + "; default: the newest run",
             "dest": "local directory for artifacts/<run-id>/<host>/"})
-def pull(c, run=None, on=None, inventory=None, dest="artifacts"):
+def pull(c, run=None, on=None, inventory=None, dest=specops.pull.ARTIFACTS):
     """Copy a run home from each host (rsync, resumable; SFTP fallback), verify its manifest, merge shards."""
     return specops.pull.pull(select_hosts(c, inventory, on), run, dest=dest)
 
 
 @task(help={**HOST_HELP, "run": RUN_HELP, "dest": "local directory for artifacts/<run-id>/<host>/"})
-def report(c, run, on=None, inventory=None, dest="artifacts"):
+def report(c, run, on=None, inventory=None, dest=specops.pull.ARTIFACTS):
     """Print the local path of the run's report.html (plots, self-contained), pulling the run first if needed."""
     return reports.locate(select_hosts(c, inventory, on), run, dest=dest)
 
@@ -111,7 +111,7 @@ def generate(c, n: int = 0, on=None, inventory=None, dataset=None, name=None, re
     """
     hosts = select_hosts(c, inventory, on)
     return jobs.generate(hosts, n=n or None, dataset=dataset, name=name, resume=resume,
-                         follow=follow, extra=remainder(), on=on)[1]
+                         follow=follow, extra=remainder(), on=on)
 
 
 @task(iterable=["data"],
@@ -127,7 +127,7 @@ def generate(c, n: int = 0, on=None, inventory=None, dataset=None, name=None, re
             "dest": "group: local directory where the --data runs are pulled and merged before shipping"})
 def train(c, data=None, on=None, inventory=None, steps: int = None, epochs: float = None, gpus: int = 0, name=None,
           resume=False, follow=False, states=None, stream=False, rendezvous_timeout: float = group.RENDEZVOUS_TIMEOUT,
-          dest="artifacts", plan=False, eval_every: int = 0):
+          dest=specops.pull.ARTIFACTS, plan=False, eval_every: int = 0):
     """Train an EAGLE-3 draft for the host's model (a detached run; exports <run>/draft for vLLM).
 
     Extra flags for remote/train.py go after `--`, e.g. `-- --draft-vocab 32000 --lr 1e-4`.
@@ -137,7 +137,7 @@ def train(c, data=None, on=None, inventory=None, steps: int = None, epochs: floa
         return jobs.train_plan(hosts, gpus=gpus, states=states, extra=remainder())
     return jobs.train(hosts, data=data, steps=steps, epochs=epochs, gpus=gpus, name=name, resume=resume,
                       follow=follow, extra=remainder(), on=on, states=states, stream=stream,
-                      rendezvous_timeout=rendezvous_timeout, dest=dest, eval_every=eval_every)[1]
+                      rendezvous_timeout=rendezvous_timeout, dest=dest, eval_every=eval_every)
 
 
 @task(iterable=["data"],
@@ -153,7 +153,7 @@ def extract(c, data=None, on=None, inventory=None, layers=None, scratch_gb: floa
     """
     hosts = select_hosts(c, inventory, on)
     return jobs.extract(hosts, data=data, layers=layers, scratch_gb=scratch_gb,
-                        stream=stream, name=name, resume=resume, follow=follow, extra=remainder(), on=on)[1]
+                        stream=stream, name=name, resume=resume, follow=follow, extra=remainder(), on=on)
 
 
 @task(name="eval", help={**HOST_HELP, "draft": "train run id (or a draft directory on the host)",
@@ -162,25 +162,25 @@ def extract(c, data=None, on=None, inventory=None, layers=None, scratch_gb: floa
                          "dest": "local directory for the pulled report"})
 def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n: int = jobs.EVAL["n"].default,
           k: int = jobs.EVAL["k"].default, name=None,
-          dest="artifacts"):
+          dest=specops.pull.ARTIFACTS):
     """Measure the draft's acceptance length in real vLLM on the host's own model; pull the report."""
     hosts = select_hosts(c, inventory, on)
     return jobs.evaluate(hosts, draft=draft, prompts=prompts, n=n, k=k, name=name, dest=dest,
-                         extra=remainder(), on=on)[1]
+                         extra=remainder(), on=on)
 
 
 @task(help={"on": "the local host to run on (default: the `local` group)", "inventory": HOST_HELP["inventory"],
             "full": f"the full recipe: {demo_mod.FULL.rows} rows, {demo_mod.FULL.train_seconds:g} s of training, "
-                    f"{demo_mod.FULL.eval_n} held out (about half an hour on 2 cores)",
+                    f"{demo_mod.FULL.held_out} held out (about half an hour on 2 cores)",
             "rows": f"prompts to generate answers for (default: {demo_mod.QUICK.rows}; --full: {demo_mod.FULL.rows})",
             "train_steps": "draft training steps, at most",
             "train_seconds": f"seconds of training steps, at most (default: {demo_mod.QUICK.train_seconds:g}; "
                              f"--full: {demo_mod.FULL.train_seconds:g})",
-            "eval_n": f"rows held out of training, on which train and eval measure acceptance length (default: "
-                      f"{demo_mod.QUICK.eval_n}; --full: {demo_mod.FULL.eval_n})",
+            "held_out": f"rows held out of training, on which train and eval measure acceptance length (default: "
+                        f"{demo_mod.QUICK.held_out}; --full: {demo_mod.FULL.held_out})",
             "fresh": "redo generate/train/eval even if finished runs exist", "dest": "where pulled artifacts go"})
 def demo(c, on=None, inventory=None, full=False, rows: int = None, train_steps: int = demo_mod.TRAIN_STEPS,
-         train_seconds: float = None, eval_n: int = None, fresh=False, dest="artifacts"):
+         train_seconds: float = None, held_out: int = None, fresh=False, dest=specops.pull.ARTIFACTS):
     """The whole pipeline on this machine, CPU only: deps, tiny model, serve, generate, train, eval, pull."""
     (host,) = select_hosts(c, inventory, on or inventory_mod.DEFAULT_GROUP)[:1]
     size = demo_mod.FULL if full else demo_mod.QUICK
@@ -188,5 +188,5 @@ def demo(c, on=None, inventory=None, full=False, rows: int = None, train_steps: 
         return default if value is None else value
 
     return demo_mod.pipeline(host, rows=given(rows, size.rows), train_steps=train_steps,
-                             train_seconds=given(train_seconds, size.train_seconds), eval_n=given(eval_n, size.eval_n),
+                             train_seconds=given(train_seconds, size.train_seconds), held_out=given(held_out, size.held_out),
                              fresh=fresh, dest=dest, name="demo-full" if full else "demo")

@@ -42,14 +42,14 @@ class Size:
 
     rows: int
     train_seconds: float
-    eval_n: int
+    held_out: int
 
 
 # `inv demo --full`: the recipe's own figure (docs/tiny-draft-recipe.md), in about half an hour on 2 cores.
-FULL = Size(rows=TINY_PROMPTS, train_seconds=TRAIN_BUDGET_S, eval_n=HELD_OUT_ROWS)
+FULL = Size(rows=TINY_PROMPTS, train_seconds=TRAIN_BUDGET_S, held_out=HELD_OUT_ROWS)
 # `inv demo`: every stage, a newcomer's first run; chosen by measurement (docs/tiny-draft-recipe.md, "Quick demo")
 # so that a fresh machine's setup and the whole pipeline fit in 10 minutes.
-QUICK = Size(rows=2000, train_seconds=60, eval_n=200)
+QUICK = Size(rows=2000, train_seconds=60, held_out=200)
 
 
 class Stages:
@@ -76,16 +76,16 @@ class Stages:
 
 
 def pipeline(host: Host, *, rows: int = QUICK.rows, train_steps: int = TRAIN_STEPS,
-             train_seconds: float = QUICK.train_seconds, eval_n: int = QUICK.eval_n, fresh: bool = False,
-             dest: str = "artifacts", name: str = "demo", out=None) -> int:
+             train_seconds: float = QUICK.train_seconds, held_out: int = QUICK.held_out, fresh: bool = False,
+             dest: str = pull.ARTIFACTS, name: str = "demo", out=None) -> int:
     """Every stage on ``host`` (this machine); runs are ``NAME-generate``, ``NAME-train``, ``NAME-eval``."""
     out = out or sys.stdout
     if not host.is_local:
         raise SpecopsError(f"{host.name}: `inv demo` runs on this machine: pick a host with ansible_connection: "
                            f"local (the shipped inventory's `local` group)", exit_code=2)
-    if min(rows, train_steps, train_seconds, eval_n) <= 0 or eval_n >= rows:
-        raise SpecopsError(f"`inv demo` needs positive --rows, --train-steps, --train-seconds and --eval-n, and fewer "
-                           f"held-out rows (--eval-n {eval_n}) than rows (--rows {rows})", exit_code=2)
+    if min(rows, train_steps, train_seconds, held_out) <= 0 or held_out >= rows:
+        raise SpecopsError(f"`inv demo` needs positive --rows, --train-steps, --train-seconds and --held-out, and fewer "
+                           f"held-out rows (--held-out {held_out}) than rows (--rows {rows})", exit_code=2)
     stages = Stages(out)
     hosts = [host]
     run = {stage: f"{name}-{stage}" for stage in ("generate", "train", "eval")}
@@ -107,9 +107,9 @@ def pipeline(host: Host, *, rows: int = QUICK.rows, train_steps: int = TRAIN_STE
     try:
         stages.stage("generate", lambda: _generate(hosts, run["generate"], prompts, rows, fresh, check, out),
                      run["generate"])
-        stages.stage("train", lambda: _train(hosts, run, train_steps, train_seconds, eval_n,
-                                             min(0.25, eval_n / rows), fresh, check, out), run["train"])
-        stages.stage("eval", lambda: _eval(hosts, run, eval_n, fresh, dest, check, out), run["eval"])
+        stages.stage("train", lambda: _train(hosts, run, train_steps, train_seconds, held_out,
+                                             min(0.25, held_out / rows), fresh, check, out), run["train"])
+        stages.stage("eval", lambda: _eval(hosts, run, held_out, fresh, dest, check, out), run["eval"])
         stages.stage("pull", lambda: _pull(hosts, list(run.values()), dest, check, out))
     finally:
         stages.stage("stop service", lambda: check_ok(serve.on_hosts(hosts, stop_service=True), "stop"))
@@ -186,7 +186,7 @@ def _read_jsonl(hosts, run_id: str, name: str) -> list[dict]:
 
 def _generate(hosts, run_id, prompts, rows, fresh, check, out) -> str:
     if _fresh_or_reuse(hosts, run_id, fresh, out):
-        _, code = jobs.generate(hosts, n=rows, dataset=prompts, name=run_id,
+        code = jobs.generate(hosts, n=rows, dataset=prompts, name=run_id,
                                 follow=True, out=out, extra=["--max-tokens", "384", "--concurrency", "16"])
         check(code, "generate")
     stats = _read_json(hosts, run_id, layout.STATS)
@@ -200,7 +200,7 @@ def _generate(hosts, run_id, prompts, rows, fresh, check, out) -> str:
 def _train(hosts, run, steps, seconds, held_out, val_fraction, fresh, check, out) -> str:
     """Training that measures its checkpoints in vLLM on the held-out rows (--eval-every) and keeps the best."""
     if _fresh_or_reuse(hosts, run["train"], fresh, out):
-        _, code = jobs.train(hosts, data=[run["generate"]], steps=steps, name=run["train"], follow=True, out=out,
+        code = jobs.train(hosts, data=[run["generate"]], steps=steps, name=run["train"], follow=True, out=out,
                              eval_every=max(1, steps // 2),
                              extra=[*TINY_DRAFT_RECIPE, "--time-budget", str(seconds),
                                     "--val-fraction", str(val_fraction), "--eval-n", str(held_out)])
@@ -222,7 +222,7 @@ def _eval(hosts, run, n, fresh, dest, check, out) -> str:
     if _fresh_or_reuse(hosts, run["eval"], fresh, out):
         with connect(hosts[0]) as session:
             heldout = f"{runs.run_dir(session, run['train'])}/{layout.HELDOUT}"
-        _, code, _ = jobs.evaluate(hosts, draft=run["train"], prompts=heldout, n=n, name=run["eval"], dest=dest,
+        code = jobs.evaluate(hosts, draft=run["train"], prompts=heldout, n=n, name=run["eval"], dest=dest,
                                    out=out, extra=["--temperature", "0"])
         check(code, "eval")
     report = _read_json(hosts, run["eval"], layout.REPORT_JSON)

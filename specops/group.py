@@ -68,7 +68,7 @@ def local_data(local_run: Path) -> Path | None:
     return singles[0] if len(singles) == 1 else None
 
 
-def ship_data(hosts: list[Host], run_ids: list[str], *, dest: str = "artifacts", out=None) -> None:
+def ship_data(hosts: list[Host], run_ids: list[str], *, dest: str = pull.ARTIFACTS, out=None) -> None:
     """Give every node the same bytes to train on: pull each generate run from the group (verified,
     merged once by row id), then write the merged file to every node (:func:`shipped_path`).
 

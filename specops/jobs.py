@@ -85,7 +85,7 @@ NOTE = "generate: note: "  # a line remote/generate.py --check prints for the us
 
 
 def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=False, extra=(), on=None,
-             out=None) -> tuple[str | None, int]:
+             out=None) -> int:
     """Check each host's server and dataset, then start one sharded generate run per host."""
 
     def preflight(session: Session) -> dict:
@@ -109,7 +109,7 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
     else:
         checked = fanout.each(hosts, preflight)
         if any(not o.ok for o in checked):
-            return None, fanout.report(checked, out=out)
+            return fanout.report(checked, out=out)
         plan = plans.first_plan([h.name for h in hosts])
 
     def argv(session: Session, index: int, count: int) -> list[str]:
@@ -118,7 +118,7 @@ def generate(hosts, *, n=None, dataset=None, name=None, resume=False, follow=Fal
     run_id, rc = runs.launch_on(hosts, "generate", argv, name=name, resume=resume, plan=plan, on=on, out=out)
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
-    return run_id, rc
+    return rc
 
 
 def replan_generate(hosts, run_id: str, preflight, out=None) -> tuple[list, dict]:
@@ -172,7 +172,7 @@ def extract_argv(session: Session, *, data, layers=None, scratch_gb=None, stream
 
 
 def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=None, resume=False, follow=False,
-            extra=(), on=None, out=None) -> tuple[str | None, int]:
+            extra=(), on=None, out=None) -> int:
     """Target hidden states from the host's own vLLM (served with ``inv serve --extract``) into shards.
 
     Runs on the serving host: vLLM writes per-request files there, which the run packs and removes.
@@ -188,7 +188,7 @@ def extract(hosts, *, data, layers=None, scratch_gb=None, stream=False, name=Non
     run_id, rc = runs.launch_on(hosts, "extract", argv, name=name, resume=resume, on=on, out=out)
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
-    return run_id, rc
+    return rc
 
 
 # ---------------------------------------------------------------- train
@@ -238,7 +238,7 @@ def eval_server_args(host, vllm_extra=()) -> list[str]:
 
 def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, follow=False, gpus=0, extra=(),
           on=None, out=None, states=None, stream=False, eval_every=0,
-          rendezvous_timeout=group.RENDEZVOUS_TIMEOUT, dest="artifacts") -> tuple[str | None, int]:
+          rendezvous_timeout=group.RENDEZVOUS_TIMEOUT, dest=pull.ARTIFACTS) -> int:
     """One training run; several hosts = one torchrun job across them (node rank i = host i, host 0 the
     master; :mod:`specops.group`). A group trains on the generate runs' merged data, shipped to every node.
 
@@ -253,7 +253,7 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
         group.ship_data(hosts, [d for d in data if is_run_id(d)], dest=dest, out=out)
     checked = fanout.each(hosts, train_preflight, data=data, states=states, grouped=grouped)
     if any(not o.ok for o in checked):
-        return None, fanout.report(checked, out=out)
+        return fanout.report(checked, out=out)
     if grouped:
         with connect(hosts[0]) as master_session:
             port = group.free_port(master_session)
@@ -270,7 +270,7 @@ def train(hosts, *, data, steps=None, epochs=None, name=None, resume=False, foll
     run_id, rc = runs.launch_on(hosts, "train", argv, name=run_id, resume=resume, on=on, out=out)
     if rc == 0 and follow:
         rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
-    return run_id, rc
+    return rc
 
 
 def train_preflight(session: Session, *, data, states=None, grouped: bool = False) -> dict:
@@ -369,7 +369,7 @@ def eval_argv(session: Session, *, draft, prompts="examples/prompts.jsonl", n=EV
 
 
 def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=EVAL["n"].default, k=EVAL["k"].default, name=None,
-             dest="artifacts", extra=(), on=None, out=None) -> tuple[str | None, int, dict]:
+             dest=pull.ARTIFACTS, extra=(), on=None, out=None) -> int:
     """Measure a draft's acceptance length on each host's own target; waits, pulls, prints the report."""
     out = out or sys.stdout
 
@@ -378,7 +378,7 @@ def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=EVAL["n"].defa
 
     run_id, rc = runs.launch_on(hosts, "eval", argv, name=name, on=on, out=out)
     if rc:
-        return run_id, rc, {}
+        return rc
     rc = watch.logs(hosts, run_id, follow=True, lines=5, out=out)
     rc = max(rc, pull.pull(hosts, run_id, dest=dest, out=out))
     reports = {}
@@ -391,7 +391,7 @@ def evaluate(hosts, *, draft, prompts="examples/prompts.jsonl", n=EVAL["n"].defa
                          "per_position": " ".join(f"{p:.2f}" for p in r.get("per_position", [])),
                          "tokens_per_s": _fmt_tps(r.get("tokens_per_s")), "speedup": r.get("speedup")}
                         for h, r in reports.items()], out=out)
-    return run_id, rc, reports
+    return rc
 
 
 def _fmt_tps(value) -> str:

@@ -57,7 +57,10 @@ for m in */{L.META}; do stat --printf '%Y %n\\0' -- "$m" 2>/dev/null; done
 """
 
 
-def pull(hosts: list[Host], run_id: str | None = None, dest: str = "artifacts", out=None) -> int:
+ARTIFACTS = "artifacts"  # where pulled runs land on this machine: DEST/<run>/<host>/ (every --dest default)
+
+
+def pull(hosts: list[Host], run_id: str | None = None, dest: str = ARTIFACTS, out=None) -> int:
     """`inv pull`: copy and verify the run from each host, then merge a sharded run's records."""
     out = out or sys.stdout
     run_id = check_run_id(run_id or newest_run(hosts))  # one read back from a host is checked the same

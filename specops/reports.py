@@ -25,7 +25,7 @@ def local_path(dest: str, run_id: str, host: Host) -> Path:
     return (Path(dest) / run_id / host.name / layout.REPORT_HTML).resolve()
 
 
-def locate(hosts: list[Host], run_id: str, *, dest: str = "artifacts", out=None) -> int:
+def locate(hosts: list[Host], run_id: str, *, dest: str = pull.ARTIFACTS, out=None) -> int:
     """Print each host's local report path; a run not here yet (or still running) is pulled first,
     its pull table going to stderr. Non-zero when a host has no report."""
     out = out or sys.stdout

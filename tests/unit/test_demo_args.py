@@ -8,7 +8,7 @@ from specops.errors import SpecopsError
 from specops.inventory import Host
 
 
-@pytest.mark.parametrize("sizes", [{"eval_n": 0}, {"rows": 100, "eval_n": 100}, {"train_steps": 0},
+@pytest.mark.parametrize("sizes", [{"held_out": 0}, {"rows": 100, "held_out": 100}, {"train_steps": 0},
                                    {"train_seconds": -1}])
 def test_demo_refuses_sizes_it_cannot_run_in_one_line_before_touching_the_host(sizes):
     host = Host("localhost", ("local",), {"ansible_connection": "local", "workdir": "/nonexistent/specops"})

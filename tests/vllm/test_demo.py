@@ -33,7 +33,7 @@ all:
     # its own tmux server: the demo's runs have fixed names (demo-generate, ...), as a user's demo here does
     (tmp_path / "tmux").mkdir()
     env = {"TMUX_TMPDIR": str(tmp_path / "tmux")}
-    proc = inv("demo", "--rows", 100, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
+    proc = inv("demo", "--rows", 100, "--train-steps", 80, "--held-out", 8, "--dest", dest, inventory=inventory,
                timeout=1800, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -63,7 +63,7 @@ all:
         assert (dest / run / "localhost" / "report.html").is_file()
     assert (dest / "demo-generate" / "localhost" / "data.jsonl").stat().st_size > 0
     # the service is stopped at the end, and a re-run reuses the finished runs
-    again = inv("demo", "--rows", 100, "--train-steps", 80, "--eval-n", 8, "--dest", dest, inventory=inventory,
+    again = inv("demo", "--rows", 100, "--train-steps", 80, "--held-out", 8, "--dest", dest, inventory=inventory,
                 timeout=1200, env=env)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert again.stdout.count("reusing the finished run") == 3
