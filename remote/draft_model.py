@@ -46,7 +46,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from train_plan import draft_shape
+from script import Refused
+from train_plan import draft_shape, rope_refusal
 
 
 @dataclass
@@ -69,6 +70,8 @@ class DraftConfig:
                     kv_heads: int | None = None, intermediate: int | None = None) -> "DraftConfig":
         """Shape the draft from the target (a transformers config): train_plan.draft_shape's rule, so the
         plan and the run agree (the target's layer, at most 8 kv heads, unless the flags say otherwise)."""
+        if why := rope_refusal(target.to_dict()):
+            raise Refused(why)
         shape = draft_shape(target.to_dict(), draft_vocab_size, heads, kv_heads, intermediate)
         return cls(
             hidden_size=target.hidden_size,

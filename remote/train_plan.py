@@ -71,6 +71,26 @@ def text_config(path: str) -> dict:
     return config.get("text_config") or config
 
 
+# The RoPE scalings the draft trains with (transformers) exactly as vLLM serves them: held equal at positions
+# 0..8192 by tests/vllm/test_rotary_matches_vllm.py. Another type could load in vLLM and accept little
+# (dynamic NTK rescales past the trained length on one side only; longrope picks its factors by another
+# rule), so a target that carries one is refused before training.
+SERVED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_refusal(config: dict) -> str | None:
+    """Why the draft cannot carry this target's RoPE into vLLM, or None when it can."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or (rope and all(isinstance(v, dict) for v in rope.values())):
+        kind = "per-layer parameters" if isinstance(rope, dict) else repr(rope)[:60]
+    else:
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind in SERVED_ROPE_TYPES:
+            return None
+    return (f"the target's RoPE scaling {kind!r} is not one the draft can train as vLLM serves it (supported: "
+            f"{', '.join(SERVED_ROPE_TYPES)}); its draft would load and accept little")
+
+
 def draft_shape(config: dict, draft_vocab: int, heads=None, kv_heads=None, intermediate=None) -> DraftShape:
     """The draft's shape: the flags where given, else draft_defaults. Heads keep the target's head_dim
     whatever their count: serving's attention kernels take the head sizes of the models they serve, and

@@ -90,3 +90,16 @@ def test_the_comparison_sees_a_mismatch(tmp_path):
     cos, _ = _trainer_cos_sin(trained)
     served_cos, _ = _served_cos_sin(_export(tmp_path, exported), trained.head_dim)
     assert (served_cos - cos).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+     "original_max_position_embeddings": 4096, "rope_theta": 10000.0},
+])
+def test_a_scaling_the_pair_cannot_reproduce_is_refused_naming_it(rope):
+    """Dynamic NTK and longrope are computed differently by the two sides past some length: refused up front."""
+    from script import Refused
+    from transformers import LlamaConfig
+    with pytest.raises(Refused, match=f"RoPE scaling '{rope['rope_type']}' is not one the draft can train"):
+        DraftConfig.from_target(LlamaConfig(**LLAMA, rope_parameters=rope), 64, [0, 1, 2])
