@@ -595,6 +595,8 @@ def make_plan(cfg, use_cuda: bool, device, world: int) -> dict | None:
             raise Refused(f"cannot plan: {cfg.target}/config.json: {getattr(e, 'strerror', None) or e} "
                           "(--plan and --batch-tokens auto read the target's config.json; pass a number)") from None
         return None
+    if why := train_plan.rope_refusal(config):  # before anything loads: the plan reads config.json alone
+        raise Refused(why)
     try:
         shape = train_plan.draft_shape(config, cfg.draft_vocab, cfg.draft_heads, cfg.draft_kv_heads,
                                        cfg.draft_intermediate)

@@ -49,7 +49,7 @@ class Size:
 FULL = Size(rows=TINY_PROMPTS, train_seconds=TRAIN_BUDGET_S, held_out=HELD_OUT_ROWS)
 # `inv demo`: every stage, a newcomer's first run; chosen by measurement (docs/tiny-draft-recipe.md, "Quick demo")
 # so that a fresh machine's setup and the whole pipeline fit in 10 minutes.
-QUICK = Size(rows=2000, train_seconds=60, held_out=200)
+QUICK = Size(rows=1500, train_seconds=45, held_out=150)
 
 
 class Stages:

@@ -103,3 +103,18 @@ def test_a_scaling_the_pair_cannot_reproduce_is_refused_naming_it(rope):
     from transformers import LlamaConfig
     with pytest.raises(Refused, match=f"RoPE scaling '{rope['rope_type']}' is not one the draft can train"):
         DraftConfig.from_target(LlamaConfig(**LLAMA, rope_parameters=rope), 64, [0, 1, 2])
+
+
+def test_the_plan_refuses_it_before_anything_loads(tmp_path):
+    """`train.py --plan` (and a run's own plan) reads config.json alone: the refusal comes there, in one line."""
+    import subprocess
+    kimi = dict(KIMI, rope_scaling={"type": "dynamic", "factor": 2.0})
+    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    plan = [sys.executable, str(REMOTE / "train.py"), "--plan", "--target", str(tmp_path), "--gpu-gb", "80"]
+    refused = subprocess.run(plan, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "train.py: the target's RoPE scaling 'dynamic' is not one the draft can train as vLLM serves it (supported: "
+        "default, linear, llama3, yarn); its draft would load and accept little"], refused.stderr
+    (tmp_path / "config.json").write_text(json.dumps(KIMI))
+    planned = subprocess.run([*plan, "--states", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0 and "RoPE" not in planned.stderr, planned.stderr  # Kimi's own YaRN plans
