@@ -29,6 +29,17 @@ LAYER_NAMES = {
 }
 
 
+def chat_rows(path, n=12):
+    """A few conversations in OpenAI `messages` form (no server needed)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"What is {i} + {i + 3}?"},
+                {"role": "assistant", "content": f"{i} + {i + 3} = {2 * i + 3}. Count on from {i}: "
+                                                 + " ".join(str(i + j) for j in range(1, 4)) + "."}]}) + "\n")
+    return path
+
+
 def run_script(script, *args, env=None, timeout=TIMEOUT, check=True):
     """Run remote/<script> with the test's Python; returns the CompletedProcess (checked unless told)."""
     result = subprocess.run(

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from tests.helpers.fixtures_train import REMOTE
+from tests.helpers.fixtures_train import REMOTE, chat_rows
 
 WARP = """
 import os, runpy, sys, time
@@ -21,16 +21,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def chat_rows(path, n=16):
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"What is {i} + {i + 3}?"},
-                {"role": "assistant", "content": f"{i} + {i + 3} = {2 * i + 3}. Count on from {i}: "
-                                                 + " ".join(str(i + j) for j in range(1, 4)) + "."}]}) + "\n")
-    return path
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,7 +30,7 @@ def free_port() -> int:
 def test_two_nodes_with_different_clocks_write_the_same_records(tiny_model, tmp_path):
     warp = tmp_path / "warp.py"
     warp.write_text(WARP)
-    data = chat_rows(tmp_path / "chat.jsonl")
+    data = chat_rows(tmp_path / "chat.jsonl", n=16)
     port = free_port()
     nodes = []
     for node in (0, 1):

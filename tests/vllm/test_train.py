@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.fixtures_train import LAYER_NAMES, REMOTE, metrics, run_script, train, train_args
+from tests.helpers.fixtures_train import LAYER_NAMES, REMOTE, chat_rows, metrics, run_script, train, train_args
 
 sys.path.insert(0, str(REMOTE))
 from chat_render import ChatRenderer, normalise  # noqa: E402
@@ -359,17 +359,6 @@ sys.argv = [sys.argv[1]] + sys.argv[2:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-
-
-def chat_rows(path, n=12):
-    """A few conversations in OpenAI `messages` form (no server needed)."""
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"What is {i} + {i + 3}?"},
-                {"role": "assistant", "content": f"{i} + {i + 3} = {2 * i + 3}. Count on from {i}: "
-                                                 + " ".join(str(i + j) for j in range(1, 4)) + "."}]}) + "\n")
-    return path
 
 
 def test_torchrun_at_world_size_one_starts_the_group_and_reduces_on_the_models_device(tiny_model, tmp_path):
