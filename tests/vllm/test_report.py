@@ -85,8 +85,6 @@ def test_a_page_that_reaches_out_is_caught(chromium, tmp_path):
     """The browser check itself: a page with a remote image and a broken one fails it (so its passes count)."""
     page = tmp_path / "report.html"
     page.write_text('<!doctype html><img src="http://127.0.0.1:9/x.png"><img src="data:image/png;base64,AAAA">')
-    heading = text[text.index("<h1"):text.index("</p>", text.index("<h1"))]
-    assert "?" not in heading and f"{kind} run " in heading, heading  # no placeholder where a value belongs
     shown = chromium.render(page)
     assert shown.failed and [img["width"] for img in shown.images] == [0, 0]
 
