@@ -1,4 +1,4 @@
-"""Real SSH hosts for tests, at three levels of realism (../shared/reference/test-hosts.md).
+"""Real SSH hosts for tests, at three levels of realism.
 
 A  loopback_sshd:   an sshd on 127.0.0.1:PORT that shares this machine's filesystem.
 B  netns_hosts:     n hosts, each with its own network, hostname, pid ns, /tmp, /home and /root,

