@@ -171,7 +171,7 @@ def eval_(c, draft, on=None, inventory=None, prompts="examples/prompts.jsonl", n
 
 @task(help={"on": "the local host to run on (default: the `local` group)", "inventory": HOST_HELP["inventory"],
             "full": f"the full recipe: {demo_mod.FULL.rows} rows, {demo_mod.FULL.train_seconds:g} s of training, "
-                    f"{demo_mod.FULL.held_out} held out (about half an hour on 2 cores)",
+                    f"{demo_mod.FULL.held_out} held out (about 15 minutes on 2 cores once the model is built)",
             "rows": f"prompts to generate answers for (default: {demo_mod.QUICK.rows}; --full: {demo_mod.FULL.rows})",
             "train_steps": "draft training steps, at most",
             "train_seconds": f"seconds of training steps, at most (default: {demo_mod.QUICK.train_seconds:g}; "

@@ -45,7 +45,7 @@ class Size:
     held_out: int
 
 
-# `inv demo --full`: the recipe's own figure (docs/tiny-draft-recipe.md), in about half an hour on 2 cores.
+# `inv demo --full`: the recipe's own figure (docs/tiny-draft-recipe.md), in about 15 minutes on 2 cores.
 FULL = Size(rows=TINY_PROMPTS, train_seconds=TRAIN_BUDGET_S, held_out=HELD_OUT_ROWS)
 # `inv demo`: every stage, a newcomer's first run; chosen by measurement (docs/tiny-draft-recipe.md, "Quick demo")
 # so that a fresh machine's setup and the whole pipeline fit in 10 minutes.
