@@ -3,7 +3,7 @@ group (gloo torchrun between network-namespace hosts), a host cut mid-generate h
 re-planned onto the other, and a node that cannot reach the master fails in one line.
 
 The hosts generate against the tiny model served by real vLLM (the session's `vllm_server`,
-one server for the CPU's sake): each host reaches it at its own 127.0.0.1:8000, where a plain
+one server for the CPU's sake): each host reaches it at its own 127.0.0.1:PORT, where a plain
 TCP relay forwards to the server through the test bed's bridge. Cutting a host's link cuts it
 off the server as well as off SSH, as a dead host is.
 """
@@ -23,6 +23,7 @@ from specops.host import connect
 from tests.helpers.hostbed import write_inventory
 from tests.helpers.invoke_cli import inv
 from tests.helpers.runs_bed import prepare
+from tests.helpers.vllm_proc import free_port
 
 RELAY = r"""
 import socket, sys, threading
@@ -56,7 +57,7 @@ while True:
     for a, b in ((client, upstream), (upstream, client)):
         threading.Thread(target=pipe, args=(a, b), daemon=True).start()
 """
-PORT = 8000  # each host's "own vLLM" (the relay)
+PORT = free_port()  # each host's "own vLLM" (the relay, inside the host's own network namespace)
 GEN = ["--dataset", "examples/prompts.jsonl"]
 GEN_EXTRA = ["--", "--max-tokens", "200", "--concurrency", "4", "--give-up-after", "900"]
 TRAIN_EXTRA = ["--", "--lr", "1e-2", "--batch-tokens", "1024", "--max-len", "512", "--ttt-steps", "3", "--include-truncated"]
@@ -84,7 +85,7 @@ def bed(netns_trio, tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(bed, vllm_server):
-    """The bed, each host reaching the session's real vLLM at its own 127.0.0.1:8000 (two relays:
+    """The bed, each host reaching the session's real vLLM at its own 127.0.0.1:PORT (two relays:
     host -> the bridge address here -> the server's loopback port)."""
     nodes, bridge = bed
     upstream = subprocess.Popen([sys.executable, "-c", RELAY, bridge, str(vllm_server.port + 1), "127.0.0.1",
